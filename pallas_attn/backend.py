@@ -1,0 +1,50 @@
+"""Where kernels run: compiled on a CUDA GPU, interpreted on CPU.
+
+`interpret=None` (the default of every public function) resolves, in order, to
+  1. the environment variable ``PALLAS_ATTN_INTERPRET`` ("1"/"true" forces interpret mode, "0"/"false" forces
+     compilation), then
+  2. interpret mode unless JAX's default backend is a GPU.
+Interpret mode runs the very same kernel bodies through XLA on the host: slow, but a real test of the kernel code.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+
+ENV_INTERPRET = "PALLAS_ATTN_INTERPRET"
+H200_SM_COUNT = 132  # used for heuristics when no GPU is visible (interpret mode, CPU tests)
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """The effective interpret flag for a call (see the module docstring)."""
+    if interpret is not None:
+        return bool(interpret)
+    env = os.environ.get(ENV_INTERPRET, "").strip().lower()
+    if env in ("1", "true", "yes"):
+        return True
+    if env in ("0", "false", "no"):
+        return False
+    return not on_gpu()
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+@functools.cache
+def device_kind() -> str:
+    """`jax.devices()[0].device_kind`, e.g. 'NVIDIA H200' (or 'cpu')."""
+    return jax.devices()[0].device_kind
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of the first GPU; the H200's 132 when there is none (interpret mode)."""
+    if on_gpu():
+        count = getattr(jax.devices()[0], "core_count", None)
+        if count:
+            return int(count)
+    return H200_SM_COUNT

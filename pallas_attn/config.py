@@ -1,0 +1,122 @@
+"""Block sizes, warps, stages and the split-KV heuristic: tuning knobs, never semantics (seed §6).
+
+Each kernel takes one static ``config`` argument; ``None`` asks the ``default_*_config`` function here, which reads
+the measured table for the device kind and head dim and falls back to safe values. Every config validates itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from pallas_attn import backend
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def _check_pow2(name: str, value: int, lo: int = 1, hi: int = 1 << 16) -> None:
+    if not (lo <= value <= hi and value & (value - 1) == 0):
+        raise ValueError(f"{name}={value} must be a power of two in [{lo}, {hi}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Varlen prefill: a tile has ``block_m`` rows = ``block_m // heads_per_program`` tokens × ``heads_per_program``
+    query heads of one KV group (they share every K/V tile); ``block_n`` keys per KV tile."""
+    block_m: int = 64
+    block_n: int = 64
+    heads_per_program: int | None = None  # None: the whole GQA group when it is a power of two ≤ 8, else 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        _check_pow2("block_m", self.block_m, lo=16)
+        _check_pow2("block_n", self.block_n, lo=16)
+        if self.heads_per_program is not None:
+            _check_pow2("heads_per_program", self.heads_per_program)
+        _check_pow2("num_warps", self.num_warps, hi=16)
+        if self.num_stages < 1:
+            raise ValueError(f"{self.num_stages=} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Paged decode and ragged paged attention: ``block_n`` keys per KV tile (a whole number of pages when
+    ``block_size <= block_n``), ``block_q`` query tokens per program for ragged batches."""
+    block_n: int = 64
+    block_q: int | None = None  # ragged kernel only; None: from max_query_len and the GQA group
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        _check_pow2("block_n", self.block_n, lo=16)
+        if self.block_q is not None:
+            _check_pow2("block_q", self.block_q)
+        _check_pow2("num_warps", self.num_warps, hi=16)
+        if self.num_stages < 1:
+            raise ValueError(f"{self.num_stages=} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+    """Top-k sparse MLA: ``block_n`` selected keys per tile, ``block_h`` heads per program (the M dim)."""
+    block_n: int = 64
+    block_h: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        _check_pow2("block_n", self.block_n, lo=16)
+        _check_pow2("block_h", self.block_h, lo=16)
+        _check_pow2("num_warps", self.num_warps, hi=16)
+
+
+# Measured winners, keyed by (device kind, head dim). Filled by `pallas-attn bench --sweep` on the H200.
+PREFILL_TABLE: dict[tuple[str, int], PrefillConfig] = {}
+DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {}
+SPARSE_TABLE: dict[tuple[str, int], SparseConfig] = {}
+
+
+def default_prefill_config(head_dim: int, dtype_bytes: int = 2) -> PrefillConfig:
+    padded = next_pow2(head_dim)
+    hit = PREFILL_TABLE.get((backend.device_kind(), padded))
+    if hit is not None:
+        return hit
+    if dtype_bytes >= 4 or padded >= 256:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
+    if padded >= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+
+
+def default_decode_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -> DecodeConfig:
+    padded = next_pow2(head_dim)
+    hit = DECODE_TABLE.get((backend.device_kind(), padded))
+    if hit is not None:
+        return hit
+    block_n = 32 if (padded >= 256 or dtype_bytes >= 4) else 64
+    return DecodeConfig(block_n=max(block_n, min(block_size, 128)), num_warps=4, num_stages=2)
+
+
+def default_sparse_config(num_heads: int) -> SparseConfig:
+    return SPARSE_TABLE.get((backend.device_kind(), num_heads), SparseConfig(block_h=min(64, max(16, next_pow2(num_heads)))))
+
+
+def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, *, num_sms: int | None = None,
+                      min_tiles_per_split: int = 4, max_splits: int = 64) -> int:
+    """Split-KV heuristic (seed §10): split only when ``num_programs`` (batch × kv heads × query blocks) cannot fill
+    the GPU, and never into segments shorter than ``min_tiles_per_split`` KV tiles.
+
+    Aims at about two waves of programs over the SMs: ``splits ≈ 2·SMs / num_programs``, capped by the longest
+    context's tile count and ``max_splits``. Returns 1 (the single-pass kernel, no merge) when the batch alone
+    fills the machine.
+    """
+    sms = num_sms or backend.num_sms()
+    if num_programs >= sms:
+        return 1
+    want = math.ceil(2 * sms / max(1, num_programs))
+    tiles = math.ceil(max_kv_len / block_n)
+    cap = max(1, tiles // min_tiles_per_split)
+    return int(max(1, min(want, cap, max_splits)))

@@ -1,0 +1,96 @@
+"""Online softmax (seed §7) and the split-KV merge (seed §12), shared by every kernel.
+
+Inside kernels scores live in the base-2 domain: ``s2 = q·k * softmax_scale * log2(e)``, so ``exp`` becomes
+``exp2`` (one multiply folded into the scale). State per query row: running max ``m`` (base 2), running sum
+``l`` and the unnormalised accumulator ``acc``. Rows that have seen no key yet keep ``m = -inf``; every exponent is
+taken against a *safe* max (0 where ``m`` is ``-inf``) so ``exp2(-inf - -inf)`` never makes a NaN.
+
+LSE convention (public outputs): natural log, float32, ``-inf`` for a row that sees no key (its output is 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def init_state(rows: int, width: int):
+    """``(acc [rows, width] f32, m [rows] f32 = -inf, l [rows] f32 = 0)``."""
+    return (jnp.zeros((rows, width), jnp.float32),
+            jnp.full((rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax_step(state, s2, v, dot):
+    """Fold one key tile into the running state.
+
+    Args:
+      state: ``(acc [M, D], m [M], l [M])``.
+      s2: ``[M, N]`` float32 scores in base 2, ``-inf`` where masked.
+      v: ``[N, D]`` value tile (input dtype); masked keys must hold finite values (loads use ``other=0``).
+      dot: the backend's matmul ``dot(a [M, N], b [N, D]) -> f32 [M, D]``.
+    """
+    acc, m, l = state
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet: exponents against 0
+    alpha = jnp.exp2(m - m_safe)  # [M]; 0 for a row's first visible tile (m = -inf)
+    p = jnp.exp2(s2 - m_safe[:, None])  # [M, N]; masked entries are exp2(-inf) = 0
+    l = alpha * l + jnp.sum(p, axis=1)
+    acc = alpha[:, None] * acc + dot(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+
+def finalize(state):
+    """``(out [M, D] f32, lse [M] f32 natural log)``; rows with no key give 0 and ``-inf``."""
+    acc, m, l = state
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[:, None]
+    lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
+    return out, lse
+
+
+@jax.jit
+def merge_attention_states(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Merge attention computed over disjoint key sets (split-KV segments, context-parallel shards).
+
+    ``m = max_s lse_s``, ``w_s = exp(lse_s - m)``, ``out = Σ_s w_s·out_s / Σ_s w_s``, ``lse = m + log Σ_s w_s``.
+
+    Args:
+      outs: ``[S, ..., D]`` per-split normalised outputs (any dtype; merged in float32).
+      lses: ``[S, ...]`` float32 natural-log LSE per split; ``-inf`` marks an empty split, whose ``outs`` entry is
+        ignored even if it is NaN.
+
+    Returns:
+      ``(out [..., D] float32, lse [...] float32)``; a row whose splits are all empty gives 0 and ``-inf``.
+
+    The sum over splits is a left fold in split order, so appending empty splits (a wider static split count)
+    changes no bit of the result: this is what makes fixed-``split_size`` decoding batch invariant.
+
+    Example:
+      >>> out, lse = merge_attention_states(jnp.stack([o1, o2]), jnp.stack([lse1, lse2]))
+    """
+    lses = lses.astype(jnp.float32)
+    m = jnp.max(lses, axis=0)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    num = jnp.zeros(outs.shape[1:], jnp.float32)
+    den = jnp.zeros(lses.shape[1:], jnp.float32)
+    for s in range(outs.shape[0]):  # static S: a fixed-order fold, see the docstring
+        w = jnp.exp(lses[s] - m_safe)  # 0 for an empty split
+        num = num + jnp.where((w > 0)[..., None], w[..., None] * outs[s].astype(jnp.float32), 0.0)
+        den = den + w
+    empty = den == 0.0
+    out = num / jnp.where(empty, 1.0, den)[..., None]
+    lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, den)))
+    return out, lse
+
+
+def kv_loop(state, tile_start, full_end, kv_end, step):
+    """Run ``step(j, state, masked)`` over key tiles: ``[tile_start, full_end)`` unmasked, ``[full_end, kv_end)``
+    masked. Two loops, so the full tiles (■) carry no mask code at all and each loop is pipelined on its own."""
+    state = jax.lax.fori_loop(tile_start, full_end, lambda j, s: step(j, s, False), state)
+    return jax.lax.fori_loop(full_end, kv_end, lambda j, s: step(j, s, True), state)

@@ -1,0 +1,72 @@
+"""Tile memory access shared by the kernels: rows addressed by index vectors (seed §5, §11).
+
+Every kernel sees its arrays flattened to 2-D ``[rows, head_dim]`` (a free reshape in the wrapper) and addresses a
+tile as a vector of row indices — packed tokens ``(seq_start + pos) * num_heads + head``, or paged slots
+``(block_table[pos // block_size] * block_size + pos % block_size) * num_kv_heads + kv_head``. In Triton this is
+plain pointer arithmetic (each row is ``head_dim`` contiguous elements, so loads stay coalesced); in interpret mode
+it is a gather. Head dims that are not a power of two are padded inside the kernel: the block is
+``[rows, next_pow2(D)]`` and the extra columns are masked off on load and store.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+
+class Cols:
+    """The ``[padded]`` column vector of a tile and its mask (None when ``head_dim`` is already a power of two)."""
+
+    def __init__(self, head_dim: int, padded: int):
+        self.idx = jnp.arange(padded)
+        self.mask = None if padded == head_dim else (self.idx < head_dim)[None, :]
+
+    def with_rows(self, row_mask):
+        """``[R, padded]`` load/store mask from a ``[R]`` row mask (either may be None)."""
+        if row_mask is None:
+            return self.mask
+        if self.mask is None:
+            return row_mask[:, None]
+        return row_mask[:, None] & self.mask
+
+
+def load_rows(ref, rows, cols: Cols, row_mask=None):
+    """``ref[rows, :padded]`` → ``[R, padded]``; masked rows and padded columns read as 0 (never touched)."""
+    mask = cols.with_rows(row_mask)
+    view = ref.at[rows[:, None], cols.idx[None, :]]
+    if mask is None:
+        return plgpu.load(view)
+    return plgpu.load(view, mask=mask, other=0)
+
+
+def store_rows(ref, rows, cols: Cols, value, row_mask=None):
+    """``ref[rows, :D] = value[:, :D]`` for rows where ``row_mask``."""
+    plgpu.store(ref.at[rows[:, None], cols.idx[None, :]], value.astype(ref.dtype), mask=cols.with_rows(row_mask))
+
+
+def store_vector(ref, rows, value, row_mask=None):
+    """``ref[rows] = value`` for a 1-D ref (LSE)."""
+    plgpu.store(ref.at[rows], value.astype(ref.dtype), mask=row_mask)
+
+
+def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: int, kv_head, valid=None):
+    """Row indices ``[N]`` of key positions ``pos`` in the flattened ``[num_blocks*block_size*Hkv, D]`` cache.
+
+    ``block_table_ref`` is the flattened ``[num_seqs * max_blocks]`` table and ``table_base`` the request's first
+    entry. Entries are read as scalars-per-row from the table (seed §11: logical_block = pos // block_size,
+    physical_block = block_table[logical_block], slot = physical_block * block_size + pos % block_size). Where
+    ``valid`` is False the table is not read and row 0 is returned (callers mask those rows' loads).
+    """
+    logical = table_base + pos // block_size
+    if valid is None:
+        page = plgpu.load(block_table_ref.at[logical])
+    else:
+        page = plgpu.load(block_table_ref.at[logical], mask=valid, other=0)
+    slot = page * block_size + pos % block_size
+    return slot * num_kv_heads + kv_head
+
+
+def dot_precision(dtype):
+    """float32 inputs use full-precision (IEEE) dots; bf16/fp16 the tensor-core default."""
+    import jax
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
