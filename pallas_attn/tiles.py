@@ -40,7 +40,10 @@ def load_rows(ref, rows, cols: Cols, row_mask=None):
 
 
 def store_rows(ref, rows, cols: Cols, value, row_mask=None):
-    """``ref[rows, :D] = value[:, :D]`` for rows where ``row_mask``."""
+    """``ref[rows, :D] = value[:, :D]`` for rows where ``row_mask``.
+
+    ``rows`` must be distinct, masked ones included: interpret mode stores by scatter, where a masked duplicate
+    could write the old value back over a valid row."""
     plgpu.store(ref.at[rows[:, None], cols.idx[None, :]], value.astype(ref.dtype), mask=cols.with_rows(row_mask))
 
 
@@ -70,3 +73,43 @@ def dot_precision(dtype):
     """float32 inputs use full-precision (IEEE) dots; bf16/fp16 the tensor-core default."""
     import jax
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, kv_head, *, cols: Cols,
+                  block_n: int, block_size: int, num_kv_heads: int, scale2: float, dot):
+    """The per-KV-tile step shared by paged decode and ragged paged attention.
+
+    ``q [M, Dp]`` rows sit at absolute positions ``q_pos [M]`` of a request with ``kv_len`` keys; key tile ``j``
+    covers positions ``[j*block_n, (j+1)*block_n)``, read through the request's block table. Unmasked tiles (■)
+    load without masks and build no mask; masked tiles mask loads past ``kv_len`` (the table is not read there)
+    and apply ``key_pos <= query_pos`` (seed §8: a full rectangle plus a bottom-right triangle).
+    """
+    from pallas_attn import masks, softmax
+
+    def step(j, state, masked):
+        k_pos = j * block_n + jnp.arange(block_n)  # [N]
+        k_valid = (k_pos < kv_len) if masked else None
+        rows = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, k_valid)
+        k = load_rows(k_ref, rows, cols, k_valid)  # [N, Dp]
+        v = load_rows(v_ref, rows, cols, k_valid)  # [N, Dp]
+        s2 = dot(q, k.T) * scale2  # [M, N]
+        if masked:
+            s2 = jnp.where(masks.causal_mask(q_pos, k_pos, kv_len), s2, -jnp.inf)
+        return softmax.online_softmax_step(state, s2, v, dot)
+
+    return step
+
+
+def split_tile_range(split, num_splits: int, kv_len, block_n: int, split_size: int | None):
+    """Key tiles ``[tile_start, tile_end)`` of split ``split`` (seed §10 segments, aligned to ``block_n``).
+
+    Fixed ``split_size`` (tokens, a multiple of ``block_n``): segment ``s`` is ``[s*split_size, (s+1)*split_size)``
+    whatever else is in the batch (batch invariant). Otherwise the request's tiles are shared out evenly among
+    ``num_splits`` segments.
+    """
+    if split_size is not None:
+        per = split_size // block_n
+        return split * per, (split + 1) * per
+    tiles_total = (kv_len + block_n - 1) // block_n
+    per = (tiles_total + num_splits - 1) // num_splits
+    return split * per, jnp.minimum((split + 1) * per, tiles_total)

@@ -1,0 +1,186 @@
+"""Paged decode attention with optional split-KV (seed §7, §9, §10, §11).
+
+One query per request sits at the end of its context, so its mask row is all-visible and attention is a long,
+memory-bound vector per head. The grid is ``(batch, num_kv_heads, num_splits)``: program ``(b, h, s)`` computes
+all query heads of KV group ``h`` (padded to the 16-row minimum of a tensor-core dot) against each K/V tile, so
+K/V are read once per group. It reads its request's block-table entries as scalars from the table (Pallas GPU
+has no scalar prefetch) and gathers ``block_n`` keys — several pages — per step.
+
+With ``num_splits > 1`` each segment writes a partial ``O_s`` and ``LSE_s`` (float32) and
+:func:`pallas_attn.softmax.merge_attention_states` merges them (the jitted second pass). ``num_splits=None``
+picks by :func:`pallas_attn.config.choose_num_splits`; ``num_splits=1`` is the single pass with no merge.
+``split_size=`` (tokens) fixes the segments' boundaries instead, so a request's output is bit-identical whatever
+else is in the batch.
+
+Reference: :func:`pallas_attn.reference.paged_decode_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
+
+MIN_DOT_ROWS = 16  # tensor-core dots want M >= 16: a GQA group is padded up to this many rows
+
+
+# ---------------------------------------------------------------------------------------------- kernel body
+def _decode_kernel(
+    # inputs
+    context_lens_ref,  # i32[num_seqs]
+    block_tables_ref,  # i32[num_seqs * max_blocks]
+    q_ref,  # [num_seqs * Hq, Dp]
+    k_ref,  # [num_blocks * block_size * Hkv, Dp]
+    v_ref,  # [num_blocks * block_size * Hkv, Dp]
+    # outputs
+    o_ref,  # [num_seqs * Hq, Dp] (single pass, q dtype) or [num_splits * num_seqs * Hq, Dp] (f32 partials)
+    lse_ref,  # f32[num_seqs * Hq] or f32[num_splits * num_seqs * Hq]
+    *, num_q_heads: int, num_kv_heads: int, head_dim: int, rows: int, max_blocks: int, block_size: int,
+    block_n: int, num_splits: int, split_size: int | None, scale2: float, precision,
+):
+    b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    group = num_q_heads // num_kv_heads
+    num_seqs = pl.num_programs(0)
+    cols = tiles.Cols(head_dim, q_ref.shape[-1])
+    r = jnp.arange(rows)
+    row_valid = r < group  # padding rows of the group compute on zeros and are never stored
+    q_rows = b * num_q_heads + kv_head * group + r  # rows past the group are masked, but distinct
+    q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [rows, Dp]
+    ctx = context_lens_ref[b]
+    q_pos = jnp.full((rows,), ctx - 1)  # the query is the last position: every key is visible
+
+    tile_start, tile_end = tiles.split_tile_range(split, num_splits, ctx, block_n, split_size)
+    full_end, kv_end = masks.kv_tile_ranges(ctx - 1, ctx - 1, ctx, block_n, tile_start=tile_start,
+                                            tile_end=tile_end)
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+    step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, b * max_blocks, ctx, kv_head, cols=cols,
+                               block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads, scale2=scale2,
+                               dot=dot)
+    state = softmax.kv_loop(softmax.init_state(rows, q_ref.shape[-1]), tile_start, full_end, kv_end, step)
+    out, lse = softmax.finalize(state)  # an empty split (or context 0) gives 0 and -inf
+    out_rows = split * num_seqs * num_q_heads + q_rows
+    tiles.store_rows(o_ref, out_rows, cols, out, row_valid)
+    tiles.store_vector(lse_ref, out_rows, lse, row_valid)
+
+
+# -------------------------------------------------------------------------------------------- pallas_call
+def _decode_call(q, k_cache, v_cache, block_tables, context_lens, *, scale, num_splits, split_size, interpret,
+                 cfg: config_lib.DecodeConfig):
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    padded = config_lib.next_pow2(head_dim)
+    rows = max(MIN_DOT_ROWS, config_lib.next_pow2(group))
+    partial = num_splits > 1
+    out_rows = (num_splits if partial else 1) * num_seqs * num_q_heads
+    cache_rows = num_blocks * block_size * num_kv_heads
+
+    full = lambda n: pl.BlockSpec((n, padded), lambda *_: (0, 0))
+    vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
+    kernel = functools.partial(
+        _decode_kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rows=rows,
+        max_blocks=max_blocks, block_size=block_size, block_n=cfg.block_n, num_splits=num_splits,
+        split_size=split_size, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype))
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=[vec(num_seqs), vec(num_seqs * max_blocks), full(num_seqs * num_q_heads), full(cache_rows),
+                  full(cache_rows)],
+        out_specs=[full(out_rows), vec(out_rows)],
+        out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
+                   jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"paged_decode_d{head_dim}_bs{block_size}" + ("_split" if partial else ""),
+    )(context_lens, block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
+      v_cache.reshape(-1, head_dim))
+    if not partial:
+        return out.reshape(q.shape), lse.reshape(num_seqs, num_q_heads)
+    out, lse = softmax.merge_attention_states(out.reshape(num_splits, *q.shape),
+                                              lse.reshape(num_splits, num_seqs, num_q_heads))
+    return out.astype(q.dtype), lse
+
+
+# ------------------------------------------------------------------------------------------- public function
+def _validate(q, k_cache, v_cache, block_tables, context_lens):
+    validation.check_rank("q", q, 3, "[num_seqs, num_q_heads, head_dim]")
+    validation.check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    validation.check_float("q", q)
+    validation.check_same_dtype(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
+    validation.check_shape("v_cache", v_cache, k_cache.shape, "k_cache.shape")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q head_dim {q.shape[2]}; "
+                         f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    validation.check_head_dim("q", q.shape[2])
+    validation.check_gqa(q.shape[1], k_cache.shape[2])
+    validation.check_block_size(k_cache.shape[1])
+    validation.check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
+    validation.check_int32("block_tables", block_tables)
+    validation.check_rank("context_lens", context_lens, 1, "i32[num_seqs]")
+    validation.check_int32("context_lens", context_lens)
+    validation.check_shape("context_lens", context_lens, (q.shape[0],), "i32[num_seqs] with num_seqs = q.shape[0]")
+    if block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables must be i32[num_seqs, max_blocks] with num_seqs = q.shape[0] = "
+                         f"{q.shape[0]}; got {tuple(block_tables.shape)}")
+
+
+def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits: int | None,
+                   split_size: int | None) -> int:
+    """The static split count: from ``split_size`` (fixed segments), ``num_splits``, or the heuristic."""
+    if split_size is not None:
+        if num_splits is not None:
+            raise ValueError(f"give num_splits or split_size, not both; got {num_splits=}, {split_size=}")
+        if split_size <= 0 or split_size % block_n:
+            raise ValueError(f"{split_size=} must be a positive multiple of the KV tile block_n={block_n}")
+        return max(1, pl.cdiv(max_kv_len, split_size))
+    if num_splits is None:
+        return config_lib.choose_num_splits(num_programs, max_kv_len, block_n)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"{num_splits=} must be a static int >= 1")
+    return num_splits
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "split_size", "return_lse",
+                                             "interpret", "config"))
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale: float | None = None,
+                           num_splits: int | None = None, split_size: int | None = None, return_lse: bool = False,
+                           interpret: bool | None = None, config: config_lib.DecodeConfig | None = None):
+    """One query per request against its paged K/V.
+
+    Args:
+      q: ``[num_seqs, num_q_heads, head_dim]`` float32 / bfloat16 / float16.
+      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` page pool (block_size a power of two
+        in [1, 256]), same dtype as q.
+      block_tables: ``i32[num_seqs, max_blocks]``; entry ``[b, i]`` is the physical page of request b's logical
+        page i. Entries past a request's last page may hold anything (-1 included): they are never read.
+      context_lens: ``i32[num_seqs]`` keys each query sees (its own included); 0 gives output 0 and LSE -inf.
+      softmax_scale: default ``1/sqrt(head_dim)``.
+      num_splits: split-KV segments per request (static). None: heuristic from num_seqs × num_kv_heads, the
+        table's capacity ``max_blocks * block_size`` and the SM count; 1: single pass, no merge.
+      split_size: fixed segment length in tokens (multiple of ``config.block_n``) instead of a count: outputs are
+        then bit-identical whatever else is in the batch (batch invariance), at the price of a merge pass even
+        when the GPU is already full.
+      return_lse: also return ``f32[num_seqs, num_q_heads]`` natural-log LSE.
+      interpret: None → compiled on GPU, interpreted on CPU.
+      config: :class:`pallas_attn.config.DecodeConfig`; None → tuned default.
+
+    Returns:
+      ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``).
+
+    Example:
+      >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+    """
+    _validate(q, k_cache, v_cache, block_tables, context_lens)
+    cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
+    splits = resolve_splits(q.shape[0] * k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
+                            num_splits, split_size)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = _decode_call(q, k_cache, v_cache, block_tables, context_lens, scale=float(scale), num_splits=splits,
+                            split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg)
+    return (out, lse) if return_lse else out
