@@ -109,14 +109,43 @@ def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, *, num_s
     """Split-KV heuristic (seed §10): split only when ``num_programs`` (batch × kv heads × query blocks) cannot fill
     the GPU, and never into segments shorter than ``min_tiles_per_split`` KV tiles.
 
-    Aims at about two waves of programs over the SMs: ``splits ≈ 2·SMs / num_programs``, capped by the longest
-    context's tile count and ``max_splits``. Returns 1 (the single-pass kernel, no merge) when the batch alone
-    fills the machine.
+    Several decode programs fit on one SM at once, so the batch alone "fills" the GPU at two programs per SM; below
+    that, aim at about four programs per SM: ``splits ≈ 4·SMs / num_programs``, capped by the longest context's tile
+    count and ``max_splits``. Returns 1 (the single-pass kernel, no merge) when the batch fills the machine.
     """
     sms = num_sms or backend.num_sms()
-    if num_programs >= sms:
+    if num_programs >= 2 * sms:
         return 1
-    want = math.ceil(2 * sms / max(1, num_programs))
+    want = math.ceil(4 * sms / max(1, num_programs))
     tiles = math.ceil(max_kv_len / block_n)
     cap = max(1, tiles // min_tiles_per_split)
     return int(max(1, min(want, cap, max_splits)))
+
+
+def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits: int | None,
+                   split_size: int | None) -> tuple[int, int | None]:
+    """Static ``(num_splits, split_size)`` for a launch.
+
+    * ``split_size`` given (tokens, a multiple of ``block_n``): fixed segments ``[s·split_size, (s+1)·split_size)``,
+      ``num_splits = cdiv(max_kv_len, split_size)``; batch invariant.
+    * ``num_splits`` given: each request's own tiles shared out evenly among that many segments.
+    * neither: :func:`choose_num_splits`; when it splits, it uses fixed segments of equal length (so a long
+      request gets more segments than a short one and the programs carry equal work).
+
+    ``max_kv_len`` is the static capacity (``max_blocks * block_size``), not the data: heuristics never sync.
+    """
+    if split_size is not None:
+        if num_splits is not None:
+            raise ValueError(f"give num_splits or split_size, not both; got {num_splits=}, {split_size=}")
+        if not isinstance(split_size, int) or split_size <= 0 or split_size % block_n:
+            raise ValueError(f"{split_size=} must be a positive multiple of the KV tile block_n={block_n}")
+        return max(1, math.ceil(max_kv_len / split_size)), split_size
+    if num_splits is not None:
+        if not isinstance(num_splits, int) or num_splits < 1:
+            raise ValueError(f"{num_splits=} must be a static int >= 1")
+        return num_splits, None
+    splits = choose_num_splits(num_programs, max_kv_len, block_n)
+    if splits == 1:
+        return 1, None
+    size = math.ceil(math.ceil(max_kv_len / splits) / block_n) * block_n
+    return max(1, math.ceil(max_kv_len / size)), size

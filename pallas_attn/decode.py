@@ -130,22 +130,6 @@ def _validate(q, k_cache, v_cache, block_tables, context_lens):
                          f"{q.shape[0]}; got {tuple(block_tables.shape)}")
 
 
-def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits: int | None,
-                   split_size: int | None) -> int:
-    """The static split count: from ``split_size`` (fixed segments), ``num_splits``, or the heuristic."""
-    if split_size is not None:
-        if num_splits is not None:
-            raise ValueError(f"give num_splits or split_size, not both; got {num_splits=}, {split_size=}")
-        if split_size <= 0 or split_size % block_n:
-            raise ValueError(f"{split_size=} must be a positive multiple of the KV tile block_n={block_n}")
-        return max(1, pl.cdiv(max_kv_len, split_size))
-    if num_splits is None:
-        return config_lib.choose_num_splits(num_programs, max_kv_len, block_n)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"{num_splits=} must be a static int >= 1")
-    return num_splits
-
-
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "split_size", "return_lse",
                                              "interpret", "config"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale: float | None = None,
@@ -178,8 +162,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, *, s
     """
     _validate(q, k_cache, v_cache, block_tables, context_lens)
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
-    splits = resolve_splits(q.shape[0] * k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
-                            num_splits, split_size)
+    splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2],
+                                                   block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
+                                                   num_splits, split_size)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = _decode_call(q, k_cache, v_cache, block_tables, context_lens, scale=float(scale), num_splits=splits,
                             split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg)

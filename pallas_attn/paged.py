@@ -1,0 +1,245 @@
+"""Ragged paged attention: decode, multi-token verification, chunked and fresh prefill in one launch (seed §8, §9).
+
+Request ``b`` brings ``q_len = cu_query_lens[b+1] - cu_query_lens[b]`` new tokens, already written into the paged
+cache as the last ``q_len`` of its ``seq_lens[b]`` keys; ``context_len = seq_lens[b] - q_len``. Query ``i`` sits at
+absolute position ``context_len + i`` and sees keys ``<= context_len + i``::
+
+    seq_len = 7, q_len = 3 (context 4)     k0 k1 k2 k3 | k4 k5 k6
+                                       q0   ✓  ✓  ✓  ✓ |  ✓  ·  ·      a full [q_len, context] rectangle
+                                       q1   ✓  ✓  ✓  ✓ |  ✓  ✓  ·      plus a bottom-right triangle
+                                       q2   ✓  ✓  ✓  ✓ |  ✓  ✓  ✓
+
+The grid is ``(q_blocks, num_kv_heads, num_splits)`` with a static number of query blocks
+``cdiv(num_tokens, block_q) + num_seqs`` (an upper bound: no host sync, no recompilation per batch). A query
+block is ``block_q`` tokens of one request × the whole GQA group (padded to a power of two): those rows are the M
+dimension of every dot, so verification reads each K/V tile once for all its draft tokens and heads. Blocks past
+the batch's last one write zeros into the padding rows and exit.
+
+Split-KV works for every query length (vLLM's unified kernel turns it off as soon as one query is longer than 1):
+long contexts are cut into segments whatever the query length, and merged by
+:func:`pallas_attn.softmax.merge_attention_states`.
+
+Reference: :func:`pallas_attn.reference.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
+
+MIN_DOT_ROWS = 16
+
+
+# ---------------------------------------------------------------------------------------------------- config
+def query_block_tokens(max_query_len: int, group_padded: int, requested: int | None) -> int:
+    """Tokens per query block: the rows (tokens × padded group) make a 16-row tile for decode, up to 32 rows for
+    verification and 64 rows when the batch carries prefill chunks."""
+    if requested is not None:
+        return requested
+    target_rows = 32 if max_query_len <= 16 else 64
+    need = config_lib.next_pow2(max(1, min(max_query_len, 16) if max_query_len <= 16 else max_query_len))
+    tokens = max(1, min(need, max(1, target_rows // group_padded)))
+    return max(tokens, max(1, MIN_DOT_ROWS // group_padded))
+
+
+def _query_blocks(cu_query_lens, block_q: int, num_blocks: int):
+    """Map each of the static ``num_blocks`` query blocks to ``(request, first local token)``; -1 past the end."""
+    q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
+    cu_blocks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + block_q - 1) // block_q)])
+    idx = jnp.arange(num_blocks, dtype=jnp.int32)
+    req = jnp.searchsorted(cu_blocks, idx, side="right").astype(jnp.int32) - 1
+    used = idx < cu_blocks[-1]
+    req_safe = jnp.clip(req, 0, q_lens.shape[0] - 1)
+    first = (idx - cu_blocks[req_safe]) * block_q
+    # Blocks past the last request zero padding rows: they carry -1 - (their index among padding blocks).
+    return jnp.where(used, req_safe, -1 - (idx - cu_blocks[-1])), jnp.where(used, first, 0)
+
+
+# ---------------------------------------------------------------------------------------------- kernel body
+def _ragged_kernel(
+    # inputs
+    block_req_ref,  # i32[num_q_blocks]: request of each query block, or -1 - k for the k-th padding block
+    block_first_ref,  # i32[num_q_blocks]: first request-local token of the block
+    cu_query_lens_ref,  # i32[num_seqs + 1]
+    seq_lens_ref,  # i32[num_seqs]
+    block_tables_ref,  # i32[num_seqs * max_blocks]
+    q_ref,  # [T * Hq, Dp]
+    k_ref,  # [num_blocks * block_size * Hkv, Dp]
+    v_ref,  # [num_blocks * block_size * Hkv, Dp]
+    # outputs
+    o_ref,  # [T * Hq, Dp] (single pass) or [num_splits * T * Hq, Dp] (f32 partials)
+    lse_ref,  # f32[T * Hq] or f32[num_splits * T * Hq]
+    *, num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, group_padded: int,
+    block_q: int, max_blocks: int, block_size: int, block_n: int, num_splits: int, split_size: int | None,
+    scale2: float, precision,
+):
+    p, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    group = num_q_heads // num_kv_heads
+    cols = tiles.Cols(head_dim, q_ref.shape[-1])
+    r = jnp.arange(block_q * group_padded)
+    tok_in_block = r // group_padded
+    g = r % group_padded
+    out_base = split * num_tokens * num_q_heads
+    req = block_req_ref[p]
+    # Masked rows get distinct out-of-range indices (see tiles.store_rows).
+    oob = num_tokens * num_q_heads + r
+
+    @pl.when(req >= 0)
+    def _attend():
+        q_start = cu_query_lens_ref[req]
+        q_len = cu_query_lens_ref[req + 1] - q_start
+        seq_len = seq_lens_ref[req]
+        context = seq_len - q_len
+        first = block_first_ref[p]
+        tok = first + tok_in_block  # [M] request-local query index
+        row_valid = (tok < q_len) & (g < group)
+        q_rows = jnp.where(row_valid, (q_start + tok) * num_q_heads + kv_head * group + g, oob)
+        q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [M, Dp]
+        q_pos = context + tok  # absolute positions: the rectangle + triangle of seed §8
+        q_last = context + jnp.minimum(first + block_q, q_len) - 1
+        tile_start, tile_end = tiles.split_tile_range(split, num_splits, seq_len, block_n, split_size)
+        full_end, kv_end = masks.kv_tile_ranges(context + first, q_last, seq_len, block_n, tile_start=tile_start,
+                                                tile_end=tile_end)
+        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+        step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, req * max_blocks, seq_len, kv_head,
+                                   cols=cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
+                                   scale2=scale2, dot=dot)
+        state = softmax.kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end, step)
+        out, lse = softmax.finalize(state)
+        tiles.store_rows(o_ref, out_base + q_rows, cols, out, row_valid)
+        tiles.store_vector(lse_ref, out_base + q_rows, lse, row_valid)
+
+    @pl.when(req < 0)
+    def _zero_padding():  # rows [cu_query_lens[-1], T): zeros and -inf, so they are finite without a second pass
+        pad_block = -1 - req
+        num_pad_blocks = pl.num_programs(0) - (p - pad_block)
+        stride = num_pad_blocks * block_q
+        first = cu_query_lens_ref[num_seqs] + pad_block * block_q
+
+        def zero(i, carry):
+            tok = first + i * stride + tok_in_block
+            valid = (tok < num_tokens) & (g < group)
+            rows = out_base + jnp.where(valid, tok * num_q_heads + kv_head * group + g, oob)
+            tiles.store_rows(o_ref, rows, cols, jnp.zeros((r.shape[0], q_ref.shape[-1]), jnp.float32), valid)
+            tiles.store_vector(lse_ref, rows, jnp.full(r.shape, -jnp.inf, jnp.float32), valid)
+            return carry
+
+        jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(num_tokens - first, 0), stride), zero, 0)
+
+
+# -------------------------------------------------------------------------------------------- pallas_call
+def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len, scale, num_splits,
+                 split_size, interpret, cfg: config_lib.DecodeConfig):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    group_padded = config_lib.next_pow2(num_q_heads // num_kv_heads)
+    block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
+    num_q_blocks = pl.cdiv(num_tokens, block_q) + num_seqs
+    padded = config_lib.next_pow2(head_dim)
+    partial = num_splits > 1
+    out_rows = (num_splits if partial else 1) * num_tokens * num_q_heads
+    cache_rows = num_blocks * block_size * num_kv_heads
+    block_req, block_first = _query_blocks(cu_query_lens, block_q, num_q_blocks)
+
+    full = lambda n: pl.BlockSpec((n, padded), lambda *_: (0, 0))
+    vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
+    kernel = functools.partial(
+        _ragged_kernel, num_seqs=num_seqs, num_tokens=num_tokens, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, group_padded=group_padded, block_q=block_q,
+        max_blocks=max_blocks, block_size=block_size, block_n=cfg.block_n, num_splits=num_splits,
+        split_size=split_size, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype))
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, num_kv_heads, num_splits),
+        in_specs=[vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs), vec(num_seqs * max_blocks),
+                  full(num_tokens * num_q_heads), full(cache_rows), full(cache_rows)],
+        out_specs=[full(out_rows), vec(out_rows)],
+        out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
+                   jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_d{head_dim}_bs{block_size}_q{block_q}" + ("_split" if partial else ""),
+    )(block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim),
+      k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
+    if not partial:
+        return out.reshape(q.shape), lse.reshape(num_tokens, num_q_heads)
+    out, lse = softmax.merge_attention_states(out.reshape(num_splits, *q.shape),
+                                              lse.reshape(num_splits, num_tokens, num_q_heads))
+    return out.astype(q.dtype), lse
+
+
+# ------------------------------------------------------------------------------------------- public function
+def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len):
+    validation.check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
+    validation.check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    validation.check_float("q", q)
+    validation.check_same_dtype(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
+    validation.check_shape("v_cache", v_cache, k_cache.shape, "k_cache.shape")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q head_dim {q.shape[2]}; "
+                         f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    validation.check_head_dim("q", q.shape[2])
+    validation.check_gqa(q.shape[1], k_cache.shape[2])
+    validation.check_block_size(k_cache.shape[1])
+    validation.check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
+    validation.check_int32("block_tables", block_tables)
+    num_seqs = block_tables.shape[0]
+    validation.check_int32("seq_lens", seq_lens)
+    validation.check_shape("seq_lens", seq_lens, (num_seqs,), "i32[num_seqs] with num_seqs = block_tables.shape[0]")
+    validation.check_int32("cu_query_lens", cu_query_lens)
+    validation.check_shape("cu_query_lens", cu_query_lens, (num_seqs + 1,),
+                           "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
+    validation.check_static_positive("max_query_len", max_query_len)
+
+
+@functools.partial(jax.jit, static_argnames=("max_query_len", "softmax_scale", "num_splits", "split_size",
+                                             "return_lse", "interpret", "config"))
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len: int,
+                    softmax_scale: float | None = None, num_splits: int | None = None, split_size: int | None = None,
+                    return_lse: bool = False, interpret: bool | None = None,
+                    config: config_lib.DecodeConfig | None = None):
+    """Mixed batch of decode / verification / chunked-prefill / prefill requests over a paged K/V cache.
+
+    Args:
+      q: ``[num_tokens, num_q_heads, head_dim]`` packed new tokens; rows at or past ``cu_query_lens[-1]`` are
+        padding (output 0, LSE -inf).
+      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the new tokens' K/V are already written
+        (see :func:`pallas_attn.write_kv_cache`).
+      block_tables: ``i32[num_seqs, max_blocks]``; entries past a request's last page are never read.
+      seq_lens: ``i32[num_seqs]`` keys of each request, its new tokens included.
+      cu_query_lens: ``i32[num_seqs + 1]`` cumulative new-token counts (``q_len`` may be 0).
+      max_query_len: static bound on ``q_len`` (bucketed); picks the query block size.
+      softmax_scale: default ``1/sqrt(head_dim)``.
+      num_splits / split_size: split-KV as in :func:`pallas_attn.paged_decode_attention`, for any ``q_len``.
+      return_lse: also return ``f32[num_tokens, num_q_heads]``.
+      interpret: None → compiled on GPU, interpreted on CPU.
+      config: :class:`pallas_attn.config.DecodeConfig` (``block_q`` = tokens per query block).
+
+    Returns:
+      ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``).
+
+    Example:
+      >>> md = build_metadata(query_lens=[1, 6, 512], context_lens=[900, 4000, 0], block_size=16)
+      >>> out = paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_query_lens,
+      ...                       max_query_len=md.max_query_len)
+    """
+    _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len)
+    cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
+    group_padded = config_lib.next_pow2(q.shape[1] // k_cache.shape[2])
+    block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
+    work_blocks = max(block_tables.shape[0], pl.cdiv(q.shape[0], block_q))
+    splits, split_size = config_lib.resolve_splits(work_blocks * k_cache.shape[2],
+                                                   block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
+                                                   num_splits, split_size)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len=max_query_len,
+                            scale=float(scale), num_splits=splits, split_size=split_size,
+                            interpret=backend.resolve_interpret(interpret), cfg=cfg)
+    return (out, lse) if return_lse else out
