@@ -1,0 +1,153 @@
+"""Paged KV cache: layout, allocation, and the write of new K/V through `slot_mapping`.
+
+Layout (vLLM / FlashAttention): `k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]`. All requests
+share one pool of `num_blocks` pages of `block_size` tokens. The MLA latent cache drops the head axis:
+`[num_blocks, block_size, head_dim]` (`gather_kv` reads both).
+
+Slot formula (seed section 9), for position `pos` of request `req`:
+    logical_block  = pos // block_size
+    physical_block = block_tables[req][logical_block]
+    slot           = physical_block * block_size + pos % block_size
+so slot `s` is row `s % block_size` of page `s // block_size`, i.e. row `s` of the cache viewed as
+`[num_blocks * block_size, ...]`. `BatchMetadata.slot_mapping` (metadata.py) holds the slot of every new token;
+-1 marks a padding row.
+
+Limits: slots must fit in int32 (`num_blocks * block_size < 2**31`). `write_kv_cache` drops every slot outside
+`[0, num_blocks * block_size)`, not only -1; it does not check for two rows writing one slot (the last one wins
+on CPU; on GPU the winner is unspecified).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PAD_SLOT = -1  # slot_mapping entry of a padding row: skipped by the write
+
+
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16
+) -> tuple[jax.Array, jax.Array]:
+    """Zero caches `(k_cache, v_cache)`, each `dtype[num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    Example:
+      >>> k_cache, v_cache = allocate_kv_cache(8, 16, 2, 64)
+      >>> k_cache.shape, k_cache.dtype
+      ((8, 16, 2, 64), dtype(bfloat16))
+    """
+    for name, value in dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim).items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def _check_write_shapes(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """Static (trace-time) checks of `write_kv_cache`'s arguments."""
+    if k_cache.ndim != 4 or v_cache.ndim != 4:
+        raise ValueError(
+            f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must be "
+            "[num_blocks, block_size, num_kv_heads, head_dim]"
+        )
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must agree on [num_blocks, block_size, num_kv_heads]"
+        )
+    num_tokens = slot_mapping.shape[0] if slot_mapping.ndim == 1 else None
+    if slot_mapping.ndim != 1 or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} {slot_mapping.dtype} must be integer [num_tokens]")
+    if k.shape != (num_tokens, *k_cache.shape[2:]):
+        raise ValueError(
+            f"k {k.shape} must be [num_tokens, num_kv_heads, head_dim] = {(num_tokens, *k_cache.shape[2:])} "
+            f"(slot_mapping {slot_mapping.shape}, k_cache {k_cache.shape})"
+        )
+    if v.shape != (num_tokens, *v_cache.shape[2:]):
+        raise ValueError(
+            f"v {v.shape} must be [num_tokens, num_kv_heads, head_dim] = {(num_tokens, *v_cache.shape[2:])} "
+            f"(slot_mapping {slot_mapping.shape}, v_cache {v_cache.shape})"
+        )
+
+
+def _scatter_rows(cache, rows, slot_mapping):
+    """`cache` with row `slot_mapping[t]` of its `[num_blocks * block_size, ...]` view set to `rows[t]`."""
+    num_blocks, block_size = cache.shape[:2]
+    num_slots = num_blocks * block_size
+    flat = cache.reshape(num_slots, *cache.shape[2:])
+    # A negative index would wrap around; send every slot outside the pool past the end, where mode="drop" skips it.
+    slots = slot_mapping.astype(jnp.int32)
+    slots = jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)
+    flat = flat.at[slots].set(rows.astype(cache.dtype), mode="drop")
+    return flat.reshape(cache.shape)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_kv_cache_jit(k_cache, v_cache, k, v, slot_mapping):
+    _check_write_shapes(k_cache, v_cache, k, v, slot_mapping)
+    return _scatter_rows(k_cache, k, slot_mapping), _scatter_rows(v_cache, v, slot_mapping)
+
+
+def write_kv_cache(k_cache, v_cache, k, v, slot_mapping) -> tuple[jax.Array, jax.Array]:
+    """Writes the new tokens' keys and values into the paged caches; returns the new `(k_cache, v_cache)`.
+
+    Args:
+      k_cache: dtype[num_blocks, block_size, num_kv_heads, head_dim]. DONATED: do not use it after the call.
+      v_cache: dtype[num_blocks, block_size, num_kv_heads, head_dim_v]. DONATED.
+      k: [num_tokens, num_kv_heads, head_dim] keys of the packed new tokens (cast to the cache dtype).
+      v: [num_tokens, num_kv_heads, head_dim_v] values.
+      slot_mapping: i32[num_tokens] cache slot of each row (`BatchMetadata.slot_mapping`); -1 (and any slot
+        outside the pool) skips the row.
+
+    The caches are donated, so on GPU (and CPU) the write is in place: only the written rows move. Inside an
+    outer `jax.jit` donation is up to that outer function. Works under `jax.jit` either way.
+
+    Example:
+      >>> k_cache, v_cache = allocate_kv_cache(2, 4, 1, 8, jnp.float32)
+      >>> k = v = jnp.ones((3, 1, 8))
+      >>> k_cache, v_cache = write_kv_cache(k_cache, v_cache, k, v, jnp.array([5, -1, 0], jnp.int32))
+      >>> k_cache[:, :, 0, 0].tolist()
+      [[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
+    """
+    with warnings.catch_warnings():
+        # Backends that cannot donate (or an unusual aliasing) only cost a copy; do not warn on every compile.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return _write_kv_cache_jit(k_cache, v_cache, k, v, slot_mapping)
+
+
+def gather_kv(cache, block_table_row, length: int) -> jax.Array:
+    """The logical view `[length, ...]` of one request: position `p` read from slot formula's page and offset.
+
+    Args:
+      cache: [num_blocks, block_size, num_kv_heads, head_dim] (or the latent `[num_blocks, block_size, head_dim]`).
+      block_table_row: i32[max_blocks] one request's row of `block_tables`.
+      length: static int, positions to read (usually the request's seq_len).
+
+    Returns:
+      `cache.dtype[length, *cache.shape[2:]]`. For notebooks and tests; the kernels never materialise this.
+      When `block_table_row` is concrete, its first `cdiv(length, block_size)` entries are checked to be page ids.
+    """
+    if not isinstance(block_table_row, jax.Array):
+        block_table_row = np.asarray(block_table_row)
+    num_blocks, block_size = cache.shape[:2]
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
+        raise ValueError(f"{length=} must be a non-negative int (static)")
+    if block_table_row.ndim != 1:
+        raise ValueError(f"block_table_row {block_table_row.shape} must be 1-D [max_blocks]")
+    pages_needed = -(-int(length) // block_size)
+    if pages_needed > block_table_row.shape[0]:
+        raise ValueError(
+            f"{length=} needs {pages_needed} pages of {block_size=}, block_table_row has {block_table_row.shape[0]}"
+        )
+    if not isinstance(block_table_row, jax.core.Tracer):
+        owned = np.asarray(block_table_row[:pages_needed])
+        if ((owned < 0) | (owned >= num_blocks)).any():
+            raise ValueError(
+                f"block_table_row[:{pages_needed}]={owned.tolist()} must be page ids in [0, {num_blocks=})"
+            )
+    pos = jnp.arange(length)
+    pages = jnp.asarray(block_table_row)[pos // block_size]
+    return jnp.asarray(cache)[pages, pos % block_size]
