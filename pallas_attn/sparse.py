@@ -1,0 +1,182 @@
+"""Top-k sparse MLA attention over a paged latent cache (seed §12–§13; DeepSeek-V3.2 style).
+
+Each query token attends only to its ``topk`` selected positions. The cache holds one shared latent head per
+position: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (512 + 64 = 576 for DeepSeek). Keys are the full
+576 dims of the selected rows, values their first ``kv_lora_rank`` dims, so one gathered tile serves as both K and
+V; ``q [T, H, 576]`` is already absorbed into the latent space.
+
+The kernel resolves every selected position itself, through the owning request's block table (top-k logical
+position → ``block_table[pos // block_size]`` → physical slot), so only the request's own pages are read and no
+``[T, topk, 576]`` gather is ever written out. Grid ``(num_tokens, cdiv(H, block_h))``: the ``block_h`` heads of a
+token are the M dimension of both dots and share each gathered tile. The QKᵀ dot is split into the latent part
+(``[block_h, 512] x [512, block_n]``) and the rope part (``[block_h, 64] x [64, block_n]``) so no 576-wide
+(non-power-of-two) tile exists.
+
+Reference: :func:`pallas_attn.reference.sparse_mla_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_attn import backend, config as config_lib, softmax, tiles, validation
+
+
+# ---------------------------------------------------------------------------------------------- kernel body
+def _sparse_kernel(
+    # inputs
+    token_req_ref,  # i32[T]: owning request of each token, -1 for padding tokens
+    block_tables_ref,  # i32[num_seqs * max_blocks]
+    topk_ref,  # i32[T * topk_padded]: request-local positions, -1 unused
+    q_ref,  # [T * H, Dqk]
+    kv_ref,  # [num_blocks * block_size, Dqk]
+    # outputs
+    o_ref,  # [T * H, Dv]
+    lse_ref,  # f32[T * H]
+    *, num_heads: int, kv_lora_rank: int, rope_dim: int, topk: int, max_blocks: int, block_size: int,
+    block_h: int, block_n: int, scale2: float,
+):
+    t, hb = pl.program_id(0), pl.program_id(1)
+    head = hb * block_h + jnp.arange(block_h)
+    row_valid = head < num_heads
+    q_rows = jnp.where(row_valid, t * num_heads + head, o_ref.shape[0] + jnp.arange(block_h))
+    latent = tiles.Cols(kv_lora_rank, kv_lora_rank)
+    rope_padded = config_lib.next_pow2(rope_dim) if rope_dim else 0
+    req = token_req_ref[t]
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+
+    def load_split(ref, rows, row_mask):
+        """``[R, Dv]`` latent part and ``[R, rope]`` rope part of rows (columns Dv.. Dqk)."""
+        nope = tiles.load_rows(ref, rows, latent, row_mask)
+        if not rope_dim:
+            return nope, None
+        idx = jnp.arange(rope_padded)
+        col_mask = None if rope_padded == rope_dim else (idx < rope_dim)[None, :]
+        mask = row_mask[:, None] if col_mask is None else row_mask[:, None] & col_mask
+        pe = plgpu.load(ref.at[rows[:, None], kv_lora_rank + idx[None, :]], mask=mask, other=0)
+        return nope, pe
+
+    q_nope, q_pe = load_split(q_ref, q_rows, row_valid & (req >= 0))  # [H_blk, Dv], [H_blk, rope]
+
+    def step(j, state):
+        pos = plgpu.load(topk_ref.at[t * topk + j * block_n + jnp.arange(block_n)])  # [N]
+        valid = (pos >= 0) & (req >= 0)
+        page = plgpu.load(block_tables_ref.at[req * max_blocks + pos // block_size], mask=valid, other=0)
+        slot = jnp.where(valid, page * block_size + pos % block_size, 0)
+        k_nope, k_pe = load_split(kv_ref, slot, valid)  # [N, Dv], [N, rope]; V = k_nope
+        s = dot(q_nope, k_nope.T)  # [H_blk, N]
+        if rope_dim:
+            s = s + dot(q_pe, k_pe.T)
+        s2 = jnp.where(valid[None, :], s * scale2, -jnp.inf)
+        return softmax.online_softmax_step(state, s2, k_nope, dot)
+
+    state = jax.lax.fori_loop(0, jnp.where(req >= 0, topk // block_n, 0), step,
+                              softmax.init_state(block_h, kv_lora_rank))
+    out, lse = softmax.finalize(state)  # all -1 (or a padding token): zeros and -inf
+    tiles.store_rows(o_ref, q_rows, latent, out, row_valid)
+    tiles.store_vector(lse_ref, q_rows, lse, row_valid)
+
+
+# -------------------------------------------------------------------------------------------- pallas_call
+def _sparse_call(q, kv_cache, block_tables, topk_indices, token_req, *, kv_lora_rank, scale, interpret,
+                 cfg: config_lib.SparseConfig):
+    num_tokens, num_heads, dim_qk = q.shape
+    num_blocks, block_size, _ = kv_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    topk = topk_indices.shape[1]
+    block_n = min(cfg.block_n, max(16, config_lib.next_pow2(topk)))
+    topk_padded = pl.cdiv(topk, block_n) * block_n
+    if topk_padded != topk:  # a ragged last tile reads as unused (-1) entries
+        topk_indices = jnp.pad(topk_indices, ((0, 0), (0, topk_padded - topk)), constant_values=-1)
+    block_h = min(cfg.block_h, max(16, config_lib.next_pow2(num_heads)))
+    kernel = functools.partial(
+        _sparse_kernel, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=dim_qk - kv_lora_rank,
+        topk=topk_padded, max_blocks=max_blocks, block_size=block_size, block_h=block_h, block_n=block_n,
+        scale2=scale * softmax.LOG2E)
+    vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
+    mat = lambda n, d: pl.BlockSpec((n, d), lambda *_: (0, 0))
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_tokens, pl.cdiv(num_heads, block_h)),
+        in_specs=[vec(num_tokens), vec(num_seqs * max_blocks), vec(num_tokens * topk_padded),
+                  mat(num_tokens * num_heads, dim_qk), mat(num_blocks * block_size, dim_qk)],
+        out_specs=[mat(num_tokens * num_heads, kv_lora_rank), vec(num_tokens * num_heads)],
+        out_shape=[jax.ShapeDtypeStruct((num_tokens * num_heads, kv_lora_rank), q.dtype),
+                   jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"sparse_mla_d{dim_qk}_v{kv_lora_rank}_bs{block_size}",
+    )(token_req, block_tables.reshape(-1), topk_indices.reshape(-1), q.reshape(-1, dim_qk),
+      kv_cache.reshape(-1, dim_qk))
+    return out.reshape(num_tokens, num_heads, kv_lora_rank), lse.reshape(num_tokens, num_heads)
+
+
+# ------------------------------------------------------------------------------------------- public function
+def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_rank):
+    validation.check_rank("q", q, 3, "[num_tokens, num_heads, kv_lora_rank + rope_dim]")
+    validation.check_rank("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
+    validation.check_float("q", q)
+    validation.check_same_dtype(("q", "kv_cache"), q, kv_cache)
+    if kv_cache.shape[2] != q.shape[2]:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, {q.shape[2]}] (q's dim); "
+                         f"got {tuple(kv_cache.shape)}")
+    if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
+        raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
+    validation.check_block_size(kv_cache.shape[1])
+    validation.check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
+    validation.check_int32("block_tables", block_tables)
+    validation.check_rank("topk_indices", topk_indices, 2, "i32[num_tokens, topk]")
+    validation.check_int32("topk_indices", topk_indices)
+    if topk_indices.shape[0] != q.shape[0] or topk_indices.shape[1] < 1:
+        raise ValueError(f"topk_indices must be i32[num_tokens={q.shape[0]}, topk >= 1]; "
+                         f"got {tuple(topk_indices.shape)}")
+    if cu_query_lens is None:
+        if block_tables.shape[0] != q.shape[0]:
+            raise ValueError(f"without cu_query_lens every token is its own request: block_tables must be "
+                             f"i32[num_tokens={q.shape[0]}, max_blocks]; got {tuple(block_tables.shape)}")
+    else:
+        validation.check_int32("cu_query_lens", cu_query_lens)
+        validation.check_shape("cu_query_lens", cu_query_lens, (block_tables.shape[0] + 1,),
+                               "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "return_lse", "interpret", "config"))
+def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, kv_lora_rank: int = 512,
+                         softmax_scale: float | None = None, return_lse: bool = False,
+                         interpret: bool | None = None, config: config_lib.SparseConfig | None = None):
+    """Each query token attends to its own top-k positions of its request's paged latent cache.
+
+    Args:
+      q: ``[num_tokens, num_heads, kv_lora_rank + rope_dim]`` bfloat16 (float16/float32 also run), absorbed.
+      kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` one shared latent head per position.
+      block_tables: ``i32[num_seqs, max_blocks]``.
+      topk_indices: ``i32[num_tokens, topk]`` request-local positions; ``-1`` = unused; duplicates count twice.
+        Indices must be below the request's length (``debug_checks`` verifies it).
+      cu_query_lens: ``i32[num_seqs + 1]``; None means one token per request (decode, ``num_tokens == num_seqs``).
+        Tokens at or past ``cu_query_lens[-1]`` are padding (output 0, LSE -inf).
+      kv_lora_rank: value dims (the first ``kv_lora_rank`` of each row); output ``[num_tokens, num_heads,
+        kv_lora_rank]``.
+      softmax_scale: default ``1/sqrt(q.shape[-1])`` (``1/sqrt(576)``).
+      return_lse: also return ``f32[num_tokens, num_heads]``; a row whose indices are all -1 gives 0 and -inf.
+
+    Example:
+      >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request
+    """
+    _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_rank)
+    num_tokens = q.shape[0]
+    if cu_query_lens is None:
+        token_req = jnp.arange(num_tokens, dtype=jnp.int32)
+    else:
+        tok = jnp.arange(num_tokens, dtype=jnp.int32)
+        token_req = jnp.searchsorted(cu_query_lens, tok, side="right").astype(jnp.int32) - 1
+        token_req = jnp.where(tok < cu_query_lens[-1], token_req, -1)
+    cfg = config or config_lib.default_sparse_config(q.shape[1])
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = _sparse_call(q, kv_cache, block_tables, topk_indices, token_req, kv_lora_rank=kv_lora_rank,
+                            scale=float(scale), interpret=backend.resolve_interpret(interpret), cfg=cfg)
+    return (out, lse) if return_lse else out
