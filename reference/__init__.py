@@ -1,0 +1,33 @@
+"""Reference oracles: the definitions of "correct" for the `pallas_attn` kernels.
+
+Every kernel is tested against the function of the same name here, never against another kernel. These are
+plain, slow, float32 jnp implementations written to be read: a Python loop over requests, pages gathered with
+plain indexing, masks from absolute positions. They read lengths and page tables on the host, so (apart from
+`merge_attention_states`) they are not jittable; that is fine for an oracle. Each one returns float32 `out`, or
+`(out, lse)` with `return_lse=True`; a query row that sees no key gives `out = 0`, `lse = -inf`.
+
+    varlen_attention        packed prefill over contiguous K/V, causal or not, GQA
+    paged_decode_attention  one query per request over a paged KV cache
+    paged_attention         ragged queries over a paged KV cache (decode, verification, chunked/fresh prefill)
+    sparse_mla_attention    top-k sparse attention over a shared MLA latent cache (576 = 512 + 64)
+    merge_attention_states  split-KV merge of (out, lse) states; pure jnp
+
+Shape glossary: T num_tokens, B num_seqs, Hq num_q_heads, Hkv num_kv_heads, D head_dim, block_size,
+max_blocks, topk, S num_splits.
+"""
+
+from .attention import (
+    merge_attention_states,
+    paged_attention,
+    paged_decode_attention,
+    sparse_mla_attention,
+    varlen_attention,
+)
+
+__all__ = [
+    "merge_attention_states",
+    "paged_attention",
+    "paged_decode_attention",
+    "sparse_mla_attention",
+    "varlen_attention",
+]

@@ -1,0 +1,50 @@
+"""Shared test setup: where kernels run, tolerances, hostile inputs.
+
+On CPU every kernel runs in Pallas interpret mode (the same kernel code, outputs start as NaN so unwritten rows
+fail); on a GPU the same tests run compiled, after the device memory the outputs will land in has been filled with
+NaN. One tolerance table: :data:`pallas_attn.testing.TOLERANCES`.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_attn import backend
+from pallas_attn.testing import TOLERANCES  # noqa: F401  (the one tolerance table)
+
+ON_GPU = backend.on_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs compiled)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A numpy Generator seeded from the test's id: fresh data per test, reproducible per test."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def poison_device_memory(nbytes: int = 1 << 28) -> None:
+    """Fill soon-to-be-reused device memory with NaN (GPU only): the allocator hands these bytes to the next
+    outputs, so a row the kernel forgets to write reads as NaN instead of stale data."""
+    if ON_GPU:
+        junk = jnp.full((nbytes // 4,), jnp.nan, jnp.float32)
+        junk.block_until_ready()
+        del junk
+
+
+@pytest.fixture(autouse=True)
+def _poison_before_each_test():
+    poison_device_memory()
+    yield
