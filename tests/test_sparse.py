@@ -1,0 +1,87 @@
+"""sparse_mla_attention against the reference: -1 padding, all -1 rows, duplicates, last partial pages, poison in
+unowned slots, several tokens per request."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_attn import SparseConfig, reference, sparse_mla_attention
+from pallas_attn.testing import assert_attention_close, make_paged_kv
+
+SMALL = SparseConfig(block_n=16, block_h=16, num_warps=4)
+
+
+def _topk(rng, seq_lens, tokens_per_req, topk, unused=0.3, dup=True):
+    rows = []
+    for length, n in zip(seq_lens, tokens_per_req):
+        for _ in range(n):
+            idx = rng.integers(0, max(length, 1), topk)
+            idx[-1] = length - 1  # the last (partial) page is always hit
+            if dup and topk > 2:
+                idx[1] = idx[0]  # a duplicate counts twice
+            idx[rng.random(topk) < unused] = -1
+            rows.append(idx if length else np.full(topk, -1))
+    return np.asarray(rows, np.int32)
+
+
+# name: (seq_lens, tokens per request or None for decode, heads, dim_qk, kv_lora_rank, block_size, topk, dtype)
+SCENARIOS = {
+    "decode_small_dims": ([30, 7, 64], None, 4, 80, 64, 4, 24, jnp.float32),
+    "decode_576_bf16": ([40, 100], None, 16, 576, 512, 16, 64, jnp.bfloat16),
+    "multi_token_576": ([50, 9, 33], [3, 1, 2], 8, 576, 512, 64, 32, jnp.bfloat16),
+    "block_size_1": ([20, 5], [2, 1], 4, 80, 64, 1, 16, jnp.float32),
+    "heads_not_pow2": ([25], None, 20, 80, 64, 8, 40, jnp.float32),
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_matches_reference(name, rng):
+    seq_lens, per, heads, dqk, dv, bs, topk, dtype = SCENARIOS[name]
+    kv, _, bt = make_paged_kv(rng, seq_lens, bs, None, dqk, dtype)
+    tokens = per or [1] * len(seq_lens)
+    idx = _topk(rng, seq_lens, tokens, topk)
+    idx[0] = -1  # a row that sees nothing
+    pad = 0 if per is None else 2
+    t = len(idx) + pad
+    idx = np.concatenate([idx, rng.integers(-1, 50, (pad, topk)).astype(np.int32)])  # padding rows: garbage
+    q = np.full((t, heads, dqk), np.nan, np.float32)
+    q[: t - pad] = rng.standard_normal((t - pad, heads, dqk))
+    q = jnp.asarray(q, dtype)
+    cu = None if per is None else jnp.asarray(np.concatenate([[0], np.cumsum(per)]), jnp.int32)
+    out, lse = sparse_mla_attention(q, kv, bt, jnp.asarray(idx), cu_query_lens=cu, kv_lora_rank=dv,
+                                    return_lse=True, config=SMALL)
+    ref_out, ref_lse = reference.sparse_mla_attention(q, kv, bt, jnp.asarray(idx), cu_query_lens=cu,
+                                                      kv_lora_rank=dv, return_lse=True)
+    n = t - pad
+    assert out.shape == (t, heads, dv) and out.dtype == q.dtype
+    assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
+    fin = np.isfinite(np.asarray(ref_lse)[:n])
+    np.testing.assert_allclose(np.asarray(lse)[:n][fin], np.asarray(ref_lse)[:n][fin], rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(out, np.float32)[0] == 0) and np.all(np.asarray(lse)[0] == -np.inf)
+    assert np.all(np.asarray(out, np.float32)[n:] == 0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(rank=100), "kv_lora_rank=100"),
+    (dict(idx_rows=3), "topk_indices must be"),
+    (dict(cu=jnp.array([0, 2], jnp.int32)), "cu_query_lens must be"),
+])
+def test_bad_input_raises(kw, match):
+    q = jnp.ones((2, 4, 80), jnp.float32)
+    kv = jnp.ones((4, 4, 80), jnp.float32)
+    bt = jnp.zeros((2, 2), jnp.int32)
+    idx = jnp.zeros((kw.get("idx_rows", 2), 16), jnp.int32)
+    with pytest.raises((ValueError, TypeError), match=match):
+        sparse_mla_attention(q, kv, bt, idx, cu_query_lens=kw.get("cu"), kv_lora_rank=kw.get("rank", 64))
+
+
+@pytest.mark.gpu
+def test_s1_shape_compiled(rng):
+    seq_lens = [32768, 5000, 700]
+    kv, _, bt = make_paged_kv(rng, seq_lens, 64, None, 576, jnp.bfloat16)
+    idx = jnp.asarray(_topk(rng, seq_lens, [1, 1, 1], 2048, unused=0.05))
+    q = jnp.asarray(rng.standard_normal((3, 128, 576)), jnp.bfloat16)
+    out = sparse_mla_attention(q, kv, bt, idx)
+    assert_attention_close(out, reference.sparse_mla_attention(q, kv, bt, idx), dtype=jnp.bfloat16)
