@@ -75,8 +75,8 @@ def _sparse_kernel(
         s2 = jnp.where(valid[None, :], s * scale2, -jnp.inf)
         return softmax.online_softmax_step(state, s2, k_nope, dot)
 
-    state = jax.lax.fori_loop(0, jnp.where(req >= 0, topk // block_n, 0), step,
-                              softmax.init_state(block_h, kv_lora_rank))
+    num_tiles = (req >= 0).astype(jnp.int32) * (topk // block_n)  # a padding token visits no tile
+    state = jax.lax.fori_loop(jnp.int32(0), num_tiles, step, softmax.init_state(block_h, kv_lora_rank))
     out, lse = softmax.finalize(state)  # all -1 (or a padding token): zeros and -inf
     tiles.store_rows(o_ref, q_rows, latent, out, row_valid)
     tiles.store_vector(lse_ref, q_rows, lse, row_valid)

@@ -4,5 +4,5 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-timeout "${1:-400}" python3 -m pytest tests -q -x -p no:cacheprovider --ignore=tests/test_benchmarks_smoke.py \
-  --deselect tests/test_demo.py "${@:2}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log" | tail -40
+timeout "${1:-400}" python3 -m pytest tests -q -p no:cacheprovider -n 8 --ignore=tests/test_benchmarks_smoke.py \
+  --ignore=tests/test_demo.py --ignore=tests/test_notebooks.py "${@:2}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log" | tail -40
