@@ -1,0 +1,308 @@
+"""Generates notebooks/01_packed_requests.ipynb and 02_paged_kv.ipynb (outputs stripped).
+
+    /tmp/venv/bin/python notebooks/_build.py
+"""
+import pathlib
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+SETUP = '''\
+import os, pathlib, sys
+# Make `import pallas_attn` work from a source checkout, whatever the kernel's working directory.
+_root = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "pallas_attn").is_dir())
+sys.path.insert(0, str(_root))
+import matplotlib
+if "ipykernel" not in sys.modules:
+    matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import jax, jax.numpy as jnp
+import pallas_attn
+from pallas_attn import reference, masks, backend
+from pallas_attn.testing import relative_l2, random_packed, make_paged_kv
+print("jax", jax.__version__, "on", jax.default_backend(), "| interpret mode:", backend.resolve_interpret(None))'''
+
+
+def nb(cells):
+    book = new_notebook()
+    book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    book.cells = [new_markdown_cell(c[3:]) if c.startswith("md:") else new_code_cell(c) for c in cells]
+    for c in book.cells:
+        if c.cell_type == "code":
+            c.outputs, c.execution_count = [], None
+    return book
+
+
+NB1 = [
+"""md:# 01 — Many requests in one launch: packing, masks, tiles, online softmax
+
+The seed's story (DESIGN.md §1) with pictures. Everything runs on CPU: the Pallas kernels run in *interpret
+mode* (same kernel code, executed by the host), so the shapes here are tiny.""",
+SETUP,
+"""md:## 1. Packing: two requests, one token tensor
+
+Request A has 6 tokens, request B has 4. Their tokens are concatenated along the token axis —
+`Q: [total_tokens, num_heads, head_dim]` — and the boundaries are kept in `cu_seqlens` (prefix sums of the
+lengths). Row `t` belongs to request `b` iff `cu_seqlens[b] <= t < cu_seqlens[b+1]`.""",
+"""lens = np.array([6, 4])                       # A, B
+cu_seqlens = np.concatenate([[0], np.cumsum(lens)])
+print("seq_lens  =", lens.tolist())
+print("cu_seqlens =", cu_seqlens.tolist())
+owner = np.repeat(["A", "B"], lens)
+local = np.concatenate([np.arange(n) for n in lens])
+for t in range(cu_seqlens[-1]):
+    print(f"packed row {t:2d}: request {owner[t]}, local position {local[t]}")""",
+"""md:## 2. The logical mask of a mixed batch: block-diagonal, each block causal
+
+Logically the packed score matrix is block-diagonal: a request never sees another request's keys, and inside its
+block it is lower-triangular (causal). The kernels never build this matrix — each program computes its own piece
+of the mask in registers from request-local positions — but it is the picture of what they compute.""",
+"""mixed = np.array([6, 4, 9, 3])                 # a mixed batch of four requests
+cu = np.concatenate([[0], np.cumsum(mixed)])
+T = cu[-1]
+req = np.searchsorted(cu, np.arange(T), side="right") - 1
+pos = np.arange(T) - cu[req]
+visible = (req[:, None] == req[None, :]) & (pos[None, :] <= pos[:, None])
+fig, ax = plt.subplots(figsize=(4.5, 4.5))
+ax.imshow(visible, cmap="Blues", interpolation="nearest")
+for c in cu[1:-1]:
+    ax.axhline(c - 0.5, color="k", lw=0.5); ax.axvline(c - 0.5, color="k", lw=0.5)
+ax.set_xlabel("key (packed row)"); ax.set_ylabel("query (packed row)")
+ax.set_title(f"visible(q, k), lens {mixed.tolist()}")
+plt.show()
+print(f"{visible.sum()} of {T*T} entries visible ({visible.mean():.0%}); nothing of the rest is ever computed")""",
+"""md:## 3. The prefill grid: `(batch, heads, q_tiles)`
+
+`grid = (batch, num_heads, cdiv(max_seqlen, BLOCK_M))`. Program `(b, h, m)` owns rows
+`[seq_start + m·BLOCK_M, seq_start + min((m+1)·BLOCK_M, seq_len))` of head `h`. Programs whose tile starts past
+`seq_len` exit at once (they exist only because the grid is rectangular).""",
+"""BLOCK_M = 4
+n_tiles = -(-mixed.max() // BLOCK_M)
+print(f"grid = (batch={len(mixed)}, heads=H, q_tiles={n_tiles}),  BLOCK_M={BLOCK_M}\\n")
+print(f"{'program (b, h, m)':<18} {'packed rows owned':<20} note")
+for b, n in enumerate(mixed):
+    for m in range(n_tiles):
+        lo, hi = m * BLOCK_M, min((m + 1) * BLOCK_M, n)
+        if lo >= n:
+            print(f"({b}, h, {m})".ljust(18), "-".ljust(20), "tile starts past seq_len: exits at once")
+        else:
+            print(f"({b}, h, {m})".ljust(18), f"[{cu[b]+lo}, {cu[b]+hi})".ljust(20),
+                  f"local rows {lo}..{hi-1}" + (" (partial tile)" if hi - lo < BLOCK_M else ""))
+# the same as a picture: which program (b, m) owns each packed row
+owner_prog = np.array([req[t] * n_tiles + pos[t] // BLOCK_M for t in range(T)])
+fig, ax = plt.subplots(figsize=(7, 1.2))
+ax.imshow(owner_prog[None, :], cmap="tab20", aspect="auto")
+for t in range(T):
+    ax.text(t, 0, f"{req[t]},{pos[t] // BLOCK_M}", ha="center", va="center", fontsize=6)
+ax.set_yticks([]); ax.set_xlabel("packed row"); ax.set_title("owner program (b, m) of each row (every head h alike)")
+plt.show()""",
+"""md:## 4. Tile classes: ■ full, △ diagonal, · future
+
+Walking over KV tiles, a query tile meets *full* tiles (entirely below the diagonal: no mask at all),
+*diagonal* tiles (element-wise mask) and *future* tiles (never visited: the loop stops at the diagonal).
+The map below is drawn by `pallas_attn.masks.tile_map`, which uses the same bounds
+(`masks.kv_tile_ranges`) as the kernels.""",
+"""q_len = kv_len = 40
+bm, bn = 8, 8
+tm = masks.tile_map(q_len, kv_len, bm, bn, causal=True)
+print(f"request of {q_len} tokens, BLOCK_M={bm}, BLOCK_N={bn}: rows = query tiles, columns = KV tiles")
+for row in tm:
+    print("  " + " ".join(row))
+code = {masks.FULL: 2, masks.DIAGONAL: 1, masks.FUTURE: 0}
+fig, ax = plt.subplots(figsize=(3.5, 3.5))
+ax.imshow(np.vectorize(code.get)(tm), cmap="Greens", vmin=0, vmax=2)
+for (i, j), s in np.ndenumerate(tm):
+    ax.text(j, i, s, ha="center", va="center")
+ax.set_xlabel("KV tile"); ax.set_ylabel("query tile"); ax.set_title("tile_map (■ / △ / ·)")
+plt.show()
+print("counts:", {s: int((tm == s).sum()) for s in (masks.FULL, masks.DIAGONAL, masks.FUTURE)})""",
+"""md:## 5. Online softmax, step by step
+
+Per query row keep a running max `m`, running sum `l` and accumulator `acc`. For each KV tile:
+`m_new = max(m, rowmax(S))`, `alpha = exp(m - m_new)`, `l = alpha·l + Σ exp(S - m_new)`,
+`acc = alpha·acc + exp(S - m_new)·V`; finally `out = acc / l`. The `[L, L]` score matrix is never stored.""",
+"""rs = np.random.default_rng(0)
+L, D, BN = 12, 8, 4
+q1 = rs.standard_normal(D); K = rs.standard_normal((L, D)); V = rs.standard_normal((L, D))
+scale = D ** -0.5
+m, l, acc = -np.inf, 0.0, np.zeros(D)
+for j in range(0, L, BN):
+    s = (K[j:j+BN] @ q1) * scale
+    m_new = max(m, s.max())
+    alpha = np.exp(m - m_new)
+    p = np.exp(s - m_new)
+    l = alpha * l + p.sum()
+    acc = alpha * acc + p @ V[j:j+BN]
+    print(f"tile {j//BN}: keys {j}..{j+BN-1}  m={m_new:+.3f}  alpha={alpha:.3f}  l={l:.3f}")
+    m = m_new
+out_online = acc / l
+s_full = (K @ q1) * scale
+w = np.exp(s_full - s_full.max()); w /= w.sum()
+out_full = w @ V
+print("max |online - full softmax| =", np.abs(out_online - out_full).max())
+assert np.allclose(out_online, out_full)""",
+"""md:## 6. The kernel: `varlen_attention` on the packed batch
+
+A and B packed (plus one more request), several heads, `head_dim` 64, checked against the pure-jnp oracle
+`pallas_attn.reference.varlen_attention`.""",
+"""rng = np.random.default_rng(0)
+lens_k = [6, 4, 13]
+H, D = 4, 64
+q, cu_j = random_packed(rng, lens_k, H, D, jnp.float32)
+k, _ = random_packed(rng, lens_k, H, D, jnp.float32)
+v, _ = random_packed(rng, lens_k, H, D, jnp.float32)
+out = pallas_attn.varlen_attention(q, k, v, cu_j, max_seqlen=16)
+ref = reference.varlen_attention(q, k, v, cu_j)
+err = relative_l2(out, ref)
+print("q", q.shape, "cu_seqlens", np.asarray(cu_j).tolist(), "-> out", out.shape, f"| rel. L2 vs reference {err:.2e}")
+assert err < 1e-4
+# isolation: changing request B's keys does not change request A's outputs
+k2 = k.at[6:10].set(100.0)
+out2 = pallas_attn.varlen_attention(q, k2, v, cu_j, max_seqlen=16)
+print("A's rows unchanged when B's keys change:", bool(jnp.allclose(out[:6], out2[:6])))
+assert jnp.allclose(out[:6], out2[:6])""",
+"""md:## 7. Decode and verification masks
+
+**Decode**: one new query at the end of its context — its mask row is all-visible (a long vector per head,
+memory-bound). **Verification** (speculative decoding): `q_len` draft tokens after `context_len` cached ones see a
+full `[q_len, context_len]` rectangle plus a `[q_len, q_len]` lower triangle; from absolute positions,
+`key_pos <= context_len + q_local`.""",
+"""context_len, q_len = 20, 6
+kv = context_len + q_len
+key_pos = np.arange(kv)
+decode_row = key_pos[None, :] <= (kv - 1)                           # one query, at position kv-1
+verify = key_pos[None, :] <= context_len + np.arange(q_len)[:, None]
+fig, axes = plt.subplots(2, 1, figsize=(7, 3), gridspec_kw={"height_ratios": [1, q_len]})
+axes[0].imshow(decode_row, cmap="Blues", vmin=0, vmax=1, aspect="auto"); axes[0].set_yticks([])
+axes[0].set_title(f"decode: one row, all {kv} keys visible")
+axes[1].imshow(verify, cmap="Blues", vmin=0, vmax=1, aspect="auto")
+axes[1].axvline(context_len - 0.5, color="r", lw=1)
+axes[1].set_title(f"verification: q_len={q_len} after context {context_len} = rectangle + triangle")
+axes[1].set_xlabel("key position"); axes[1].set_ylabel("draft token")
+plt.tight_layout(); plt.show()
+print("tile map of the verification (BLOCK_M=8, BLOCK_N=8):")
+for row in masks.tile_map(q_len, kv, 8, 8):
+    print("  " + " ".join(row))""",
+]
+
+NB2 = [
+"""md:# 02 — Paged KV cache: block tables, a decode loop, split-KV, sparse top-k
+
+DESIGN.md §1.9–§1.12. All requests share one pool of pages; each request's block table maps its logical pages
+to physical ones: `physical = block_table[req][pos // block_size]`, `slot = physical·block_size + pos % block_size`.""",
+SETUP,
+"""md:## 1. Block tables and the page pool
+
+`build_metadata` allocates pages from a shuffled pool (so tables are never the identity).""",
+"""BS = 4                                            # tokens per page
+prompt = np.array([5, 9, 3])                      # three requests' prompts
+STEPS = 3                                         # decode steps we will run
+final = prompt + STEPS
+pages_needed = int((-(-final // BS)).sum())
+NUM_BLOCKS = pages_needed + 3                     # 3 free pages
+md_final = pallas_attn.build_metadata(final, np.zeros_like(final), BS, num_blocks=NUM_BLOCKS, seed=1)
+tables = md_final.block_tables
+for i, n in enumerate(final):
+    print(f"request {i}: {n} tokens -> logical pages 0..{-(-n // BS) - 1} -> physical {tables[i, : -(-n // BS)].tolist()}")
+owner = np.full(NUM_BLOCKS, -1)
+fill = np.zeros(NUM_BLOCKS)
+for i, n in enumerate(final):
+    for j in range(-(-n // BS)):
+        owner[tables[i, j]] = i
+        fill[tables[i, j]] = min(BS, n - j * BS) / BS
+fig, ax = plt.subplots(figsize=(8, 1.6))
+colors = plt.cm.tab10(np.arange(10))
+for p in range(NUM_BLOCKS):
+    c = colors[owner[p]] if owner[p] >= 0 else (0.9, 0.9, 0.9, 1)
+    ax.bar(p, fill[p] if owner[p] >= 0 else 1, color=c, edgecolor="k")
+    ax.text(p, 0.5, "free" if owner[p] < 0 else f"r{owner[p]}", ha="center", va="center", fontsize=7)
+ax.set_xticks(range(NUM_BLOCKS)); ax.set_yticks([]); ax.set_xlabel("physical page")
+ax.set_title("page pool: owner request (bar height = fraction of the page used)")
+plt.show()""",
+"""md:## 2. A decode loop: `build_metadata` → `write_kv_cache` → `paged_attention`
+
+Step 0 is the prefill of every prompt; then each step adds one token per request. Each step's new K/V go to the
+cache through `slot_mapping`; the kernel reads all of the request's history through its block table, and is
+checked against the reference every step.""",
+"""rng = np.random.default_rng(0)
+HQ, HKV, D = 4, 2, 64                             # GQA: 2 query heads per KV head
+k_cache, v_cache = pallas_attn.allocate_kv_cache(NUM_BLOCKS, BS, HKV, D, jnp.float32)
+context = np.zeros_like(prompt)
+query_lens = prompt.copy()
+for step in range(STEPS + 1):
+    md = pallas_attn.build_metadata(query_lens, context, BS, num_blocks=NUM_BLOCKS, block_tables=tables)
+    q, _ = random_packed(rng, query_lens, HQ, D, jnp.float32, pad_to=md.num_tokens)
+    k_new, _ = random_packed(rng, query_lens, HKV, D, jnp.float32, pad_to=md.num_tokens)
+    v_new, _ = random_packed(rng, query_lens, HKV, D, jnp.float32, pad_to=md.num_tokens)
+    k_cache, v_cache = pallas_attn.write_kv_cache(k_cache, v_cache, k_new, v_new, jnp.asarray(md.slot_mapping))
+    args = (q, k_cache, v_cache, jnp.asarray(md.block_tables), jnp.asarray(md.seq_lens), jnp.asarray(md.cu_query_lens))
+    out = pallas_attn.paged_attention(*args, max_query_len=md.max_query_len)
+    ref = reference.paged_attention(*args)
+    n = int(md.cu_query_lens[-1])
+    err = relative_l2(out, ref, valid=n)
+    print(f"step {step}: query_lens {query_lens.tolist()} seq_lens {md.seq_lens.tolist()} "
+          f"slots {md.slot_mapping[:n].tolist()} | rel. L2 {err:.1e}")
+    assert err < 1e-4
+    context = context + query_lens
+    query_lens = np.ones_like(prompt)""",
+"""md:## 3. Split-KV (flash-decoding) and the merge
+
+With few requests and long contexts, `batch × kv_heads` programs cannot fill the GPU: split each sequence into
+segments, each writes `(m_s, l_s, O_s)` (here: output + LSE), and a reduction merges them:
+`m = max lse_s`, `w_s = exp(lse_s − m)`, `O = Σ w_s·O_s / Σ w_s`. The kernel does it with `num_splits`; below the
+same thing by hand with two calls over disjoint key ranges and `merge_attention_states`.""",
+"""rng = np.random.default_rng(1)
+ctx = np.array([70, 33])
+kc, vc, bt = make_paged_kv(rng, ctx, 16, HKV, D, jnp.float32)
+qd = jnp.asarray(rng.standard_normal((len(ctx), HQ, D)), jnp.float32)
+cl = jnp.asarray(ctx, jnp.int32)
+ref = reference.paged_decode_attention(qd, kc, vc, bt, cl)
+o1 = pallas_attn.paged_decode_attention(qd, kc, vc, bt, cl, num_splits=1)
+o4 = pallas_attn.paged_decode_attention(qd, kc, vc, bt, cl, num_splits=4)
+print(f"num_splits=1: rel. L2 {relative_l2(o1, ref):.1e}   num_splits=4: rel. L2 {relative_l2(o4, ref):.1e}   "
+      f"|1 vs 4| max {float(jnp.abs(o1 - o4).max()):.1e}")
+assert relative_l2(o1, ref) < 1e-4 and relative_l2(o4, ref) < 1e-4
+
+# by hand: keys [0, 32) and [32, ctx) — the second half reads the table shifted by 32 // 16 = 2 pages
+AT = 32
+shift = AT // 16
+bt_hi = jnp.concatenate([bt[:, shift:], jnp.full((bt.shape[0], shift), -1, bt.dtype)], axis=1)
+lo_len = jnp.minimum(cl, AT)
+o_lo, lse_lo = pallas_attn.paged_decode_attention(qd, kc, vc, bt, lo_len, num_splits=1, return_lse=True)
+o_hi, lse_hi = pallas_attn.paged_decode_attention(qd, kc, vc, bt_hi, cl - lo_len, num_splits=1, return_lse=True)
+merged, lse = pallas_attn.merge_attention_states(jnp.stack([o_lo, o_hi]), jnp.stack([lse_lo, lse_hi]))
+print("segment LSEs (request 0, head 0):", float(lse_lo[0, 0]), float(lse_hi[0, 0]), "-> merged", float(lse[0, 0]))
+print(f"manual split + merge: rel. L2 vs reference {relative_l2(merged, ref):.1e}")
+assert relative_l2(merged, ref) < 1e-4""",
+"""md:## 4. Sparse top-k attention: positions → pages
+
+Each query attends only to its top-k selected positions of an MLA latent cache (one shared KV head;
+query/key dim = latent rank + rope dims, value = the first `kv_lora_rank` dims). A selected logical position goes
+through the request's block table: `page = block_table[pos // block_size]`, `row = pos % block_size`. Shapes are
+tiny here (rank 64 + rope 32) instead of DeepSeek's 512 + 64.""",
+"""rng = np.random.default_rng(2)
+RANK, ROPE, HS, TOPK, BS2 = 64, 32, 4, 8, 8
+seq = np.array([40, 23])
+lat, _, bt2 = make_paged_kv(rng, seq, BS2, None, RANK + ROPE, jnp.float32)
+qs = jnp.asarray(rng.standard_normal((len(seq), HS, RANK + ROPE)), jnp.float32)
+topk = np.stack([rng.permutation(n)[:TOPK] for n in seq]).astype(np.int32)
+topk[1, -2:] = -1                                  # unused slots
+i = 0
+print(f"request {i}, top-{TOPK} positions -> (page, row):")
+for p in topk[i]:
+    print(f"  pos {p:3d} -> logical page {p // BS2} -> physical page {int(bt2[i, p // BS2]):2d}, row {p % BS2}")
+pages_touched = sorted({int(bt2[i, p // BS2]) for p in topk[i] if p >= 0})
+print("pages touched:", pages_touched, "of the request's", [int(x) for x in bt2[i, : -(-seq[i] // BS2)]])
+out = pallas_attn.sparse_mla_attention(qs, lat, bt2, jnp.asarray(topk), kv_lora_rank=RANK)
+ref = reference.sparse_mla_attention(qs, lat, bt2, jnp.asarray(topk), kv_lora_rank=RANK)
+print("out", out.shape, f"| rel. L2 vs reference {relative_l2(out, ref):.1e}")
+assert relative_l2(out, ref) < 1e-4""",
+]
+
+if __name__ == "__main__":
+    for name, cells in (("01_packed_requests.ipynb", NB1), ("02_paged_kv.ipynb", NB2)):
+        nbformat.write(nb(cells), HERE / name)
+        print("wrote", HERE / name)
