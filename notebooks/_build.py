@@ -1,4 +1,4 @@
-"""Generates notebooks/01_packed_requests.ipynb and 02_paged_kv.ipynb (outputs stripped).
+"""Generates notebooks/01_packed_requests.ipynb, 02_paged_kv.ipynb and 03_use_in_a_model.ipynb (outputs stripped).
 
     /tmp/venv/bin/python notebooks/_build.py
 """
@@ -302,7 +302,228 @@ print("out", out.shape, f"| rel. L2 vs reference {relative_l2(out, ref):.1e}")
 assert relative_l2(out, ref) < 1e-4""",
 ]
 
+SETUP3 = SETUP + "\nimport functools, time"
+
+NB3 = [
+"""md:# 03 — Use in a model: a small Llama-style decoder with packed prefill and paged decode
+
+A 2-layer Llama-style decoder in plain JAX (random weights): RMSNorm, rotary embeddings (RoPE), grouped-query
+attention (4 query heads share 2 KV heads, head_dim 64), a SwiGLU MLP, vocabulary 128, d_model 256.
+
+The model is written once, with its attention as a pluggable function, and run two ways:
+
+* **engine** — the prompts of three requests (different lengths) are packed into one token tensor and prefilled
+  with `pallas_attn.varlen_attention`; every layer's K/V go into its own paged cache through
+  `build_metadata` → `write_kv_cache`; then each decode step runs the whole batch (one token per request) through
+  `pallas_attn.paged_decode_attention`, one jitted step function with static, bucketed shapes.
+* **dense** — each prompt alone, plain `jnp` causal softmax over the full sequence, recomputed from scratch for
+  every new token (no cache at all).
+
+Greedy decoding must give the same tokens both ways. float32 on CPU (the kernels run in interpret mode).""",
+SETUP3,
+"""md:## 1. The model
+
+`forward(params, tokens, positions, attend)` takes packed token rows and their positions; `attend(layer, q, k, v)`
+is the only thing that differs between the two versions.""",
+"""VOCAB, D_MODEL, N_LAYERS, D_FF = 128, 256, 2, 512
+HQ, HKV, HD = 4, 2, 64                             # GQA: 2 query heads per KV head
+ROPE_THETA, EPS = 10000.0, 1e-6
+
+
+def init_params(key):
+    keys = iter(jax.random.split(key, 2 + 7 * N_LAYERS))
+    w = lambda shape: jax.random.normal(next(keys), shape, jnp.float32) * shape[0] ** -0.5
+    layers = [dict(attn_norm=jnp.ones(D_MODEL), wq=w((D_MODEL, HQ * HD)), wk=w((D_MODEL, HKV * HD)),
+                   wv=w((D_MODEL, HKV * HD)), wo=w((HQ * HD, D_MODEL)), mlp_norm=jnp.ones(D_MODEL),
+                   w_gate=w((D_MODEL, D_FF)), w_up=w((D_MODEL, D_FF)), w_down=w((D_FF, D_MODEL)))
+              for _ in range(N_LAYERS)]
+    return dict(embed=jax.random.normal(next(keys), (VOCAB, D_MODEL), jnp.float32), layers=layers,
+                final_norm=jnp.ones(D_MODEL), lm_head=w((D_MODEL, VOCAB)))
+
+
+def rms_norm(x, weight):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS) * weight
+
+
+def rope(x, positions):                            # x [T, H, HD], positions i32[T] (absolute, per request)
+    inv_freq = ROPE_THETA ** (-jnp.arange(0, HD, 2, dtype=jnp.float32) / HD)
+    angle = positions[:, None].astype(jnp.float32) * inv_freq  # [T, HD/2]
+    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
+    x1, x2 = x[..., : HD // 2], x[..., HD // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def forward(params, tokens, positions, attend):
+    # tokens, positions: i32[T] packed rows. attend(layer, q [T,HQ,HD], k [T,HKV,HD], v) -> [T,HQ,HD]. -> logits [T,VOCAB]
+    x = params["embed"][tokens]
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm(x, p["attn_norm"])
+        q = rope((h @ p["wq"]).reshape(-1, HQ, HD), positions)
+        k = rope((h @ p["wk"]).reshape(-1, HKV, HD), positions)
+        v = (h @ p["wv"]).reshape(-1, HKV, HD)
+        x = x + attend(i, q, k, v).reshape(-1, HQ * HD) @ p["wo"]
+        h = rms_norm(x, p["mlp_norm"])
+        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return rms_norm(x, params["final_norm"]) @ params["lm_head"]
+
+
+params = init_params(jax.random.PRNGKey(0))
+n_params = sum(a.size for a in jax.tree_util.tree_leaves(params))
+print(f"{N_LAYERS} layers, d_model {D_MODEL}, {HQ} query heads / {HKV} KV heads x {HD}, SwiGLU {D_FF}, "
+      f"vocab {VOCAB}: {n_params / 1e6:.2f} M parameters")
+
+rng = np.random.default_rng(0)
+prompt_lens = np.array([5, 12, 7])
+prompts = [rng.integers(1, VOCAB, n).astype(np.int32) for n in prompt_lens]
+NEW_TOKENS = 6
+for i, p in enumerate(prompts):
+    print(f"prompt {i} ({len(p):2d} tokens): {p.tolist()}")""",
+"""md:## 2. Dense version: full causal softmax, recomputed every step
+
+No cache, no packing: one request at a time, the whole sequence through the model for every new token
+(zero-padded to a fixed length so that the jitted forward compiles once).""",
+"""def dense_causal_attention(q, k, v):              # one request: q [S, HQ, HD], k, v [S, HKV, HD]
+    k, v = jnp.repeat(k, HQ // HKV, axis=1), jnp.repeat(v, HQ // HKV, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", q, k) * HD ** -0.5
+    s = jnp.where(jnp.tril(jnp.ones((q.shape[0], k.shape[0]), bool)), s, -jnp.inf)
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v)
+
+
+DENSE_LEN = 32                                     # every sequence zero-padded to one length: one compile.
+# The causal mask keeps the padding tail out of the real rows, so row len-1 is the full-sequence answer.
+
+
+@jax.jit
+def dense_logits(params, tokens):                  # tokens i32[DENSE_LEN] -> logits of every row
+    return forward(params, tokens, jnp.arange(DENSE_LEN, dtype=jnp.int32),
+                   lambda i, q, k, v: dense_causal_attention(q, k, v))
+
+
+def dense_generate(prompt, n_new):
+    seq, step_logits = list(prompt), []
+    for _ in range(n_new):
+        logits = dense_logits(params, jnp.asarray(seq + [0] * (DENSE_LEN - len(seq)), jnp.int32))[len(seq) - 1]
+        step_logits.append(logits)
+        seq.append(int(jnp.argmax(logits)))
+    return seq[len(prompt):], jnp.stack(step_logits)
+
+
+dense = [dense_generate(p, NEW_TOKENS) for p in prompts]
+dense_tokens = [t for t, _ in dense]
+for i, t in enumerate(dense_tokens):
+    print(f"dense, request {i}: {t}")""",
+"""md:## 3. Engine: pages for each request, one paged cache per layer
+
+Each request gets the pages of its whole life (prompt + new tokens) once, from a shuffled pool; every step
+reuses these tables through `build_metadata(..., block_tables=tables)`, which computes the step's `seq_lens`
+and the `slot_mapping` of its new tokens. `context_lens` is what is already cached *before* the step.
+Each layer has its own `(k_cache, v_cache)` of shape `[num_blocks, block_size, num_kv_heads, head_dim]`.""",
+"""BS = 8                                             # tokens per page
+final_lens = prompt_lens + NEW_TOKENS
+NUM_BLOCKS = int((-(-final_lens // BS)).sum()) + 2  # 2 spare pages
+plan = pallas_attn.build_metadata(final_lens, np.zeros_like(final_lens), BS, num_blocks=NUM_BLOCKS, seed=3)
+tables = plan.block_tables
+for i, n in enumerate(final_lens):
+    print(f"request {i}: up to {n} tokens -> pages {tables[i, : -(-n // BS)].tolist()}")
+caches = [pallas_attn.allocate_kv_cache(NUM_BLOCKS, BS, HKV, HD, jnp.float32) for _ in range(N_LAYERS)]
+print(f"{N_LAYERS} caches (k, v), each {caches[0][0].shape} {caches[0][0].dtype}")""",
+"""md:## 4. Packed prefill with `varlen_attention`
+
+The three prompts are one packed tensor of `md.num_tokens` rows (bucketed; rows past the last prompt are
+padding, with slot -1 so the cache write skips them). Positions restart at 0 for each request, so RoPE and the
+causal mask are request-local. Each layer writes its K/V into its cache, and attends with `varlen_attention`
+over `cu_seqlens = md.cu_query_lens`. The logits at each prompt's last row give the first new token.""",
+"""@functools.partial(jax.jit, static_argnames="max_seqlen")
+def prefill(params, caches, tokens, positions, cu_seqlens, slot_mapping, *, max_seqlen):
+    new_caches = []
+
+    def attend(i, q, k, v):
+        new_caches.append(pallas_attn.write_kv_cache(*caches[i], k, v, slot_mapping))
+        return pallas_attn.varlen_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen)
+
+    return forward(params, tokens, positions, attend), new_caches
+
+
+md = pallas_attn.build_metadata(prompt_lens, np.zeros_like(prompt_lens), BS, num_blocks=NUM_BLOCKS,
+                                block_tables=tables)
+n = int(md.cu_query_lens[-1])
+tokens = np.zeros(md.num_tokens, np.int32)
+tokens[:n] = np.concatenate(prompts)
+positions = np.zeros(md.num_tokens, np.int32)
+positions[:n] = np.concatenate([np.arange(L) for L in prompt_lens])
+print(f"packed prefill: {n} real rows padded to {md.num_tokens}, cu_seqlens {md.cu_query_lens.tolist()}, "
+      f"max_seqlen {md.max_query_len}")
+t0 = time.perf_counter()
+logits, caches = prefill(params, caches, tokens, positions, md.cu_query_lens, md.slot_mapping,
+                         max_seqlen=md.max_query_len)
+last_rows = md.cu_query_lens[1:] - 1
+engine_logits = [[logits[last_rows[i]]] for i in range(len(prompts))]
+next_tokens = np.asarray(jnp.argmax(logits[last_rows], axis=-1), np.int32)
+print(f"prefill (compile + run): {time.perf_counter() - t0:.1f} s; first new tokens {next_tokens.tolist()}")
+# the cache holds each prompt's keys at its pages: read request 1's back through its block table
+from pallas_attn.cache import gather_kv
+k1 = gather_kv(caches[0][0], tables[1], int(prompt_lens[1]))
+print("layer 0, request 1: keys read back through the block table", k1.shape)""",
+"""md:## 5. Decode loop with `paged_decode_attention`, compiled once
+
+Each step: one new token per request, its K/V written to every layer's cache at `slot_mapping`, then
+`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)` — the kernel's `context_lens` argument
+counts the new token, i.e. `md.seq_lens`. Shapes are static and bucketed: the batch is padded from 3 to
+`num_seqs = 4` requests (the padding request has `seq_len 0`, slot -1, output 0) and the block tables keep the
+bucketed width of the plan, so all steps share one compiled program — the trace counter stays at 1.""",
+"""TRACES = 0
+NUM_SEQS = 4                                       # bucket of the batch size (3 real requests)
+
+
+@jax.jit
+def decode_step(params, caches, tokens, positions, block_tables, seq_lens, slot_mapping):
+    global TRACES
+    TRACES += 1                                    # runs only while tracing
+    new_caches = []
+
+    def attend(i, q, k, v):
+        k_cache, v_cache = pallas_attn.write_kv_cache(*caches[i], k, v, slot_mapping)
+        new_caches.append((k_cache, v_cache))
+        return pallas_attn.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+
+    return forward(params, tokens, positions, attend), new_caches
+
+
+nreq = len(prompts)
+engine_tokens = [[int(t)] for t in next_tokens]
+cached = prompt_lens.copy()                        # tokens in the cache before this step
+for step in range(1, NEW_TOKENS):
+    md = pallas_attn.build_metadata(np.ones(nreq, np.int64), cached, BS, num_blocks=NUM_BLOCKS,
+                                    block_tables=tables, num_seqs=NUM_SEQS, num_tokens=NUM_SEQS)
+    tok = np.zeros(NUM_SEQS, np.int32)
+    tok[:nreq] = next_tokens
+    pos = np.zeros(NUM_SEQS, np.int32)
+    pos[:nreq] = cached                            # the new token's position = tokens before it
+    t0 = time.perf_counter()
+    logits, caches = decode_step(params, caches, tok, pos, md.block_tables, md.seq_lens, md.slot_mapping)
+    next_tokens = np.asarray(jnp.argmax(logits[:nreq], axis=-1), np.int32)
+    dt = time.perf_counter() - t0
+    for i in range(nreq):
+        engine_tokens[i].append(int(next_tokens[i]))
+        engine_logits[i].append(logits[i])
+    print(f"step {step}: seq_lens {md.seq_lens.tolist()} slots {md.slot_mapping.tolist()} "
+          f"block_tables {md.block_tables.shape} -> tokens {next_tokens.tolist()}  ({dt * 1e3:.0f} ms, traces {TRACES})")
+    cached = cached + 1
+print("decode_step traced", TRACES, "time(s)")
+assert TRACES == 1""",
+"""md:## 6. Same tokens""",
+"""for i in range(nreq):
+    print(f"request {i}: engine {engine_tokens[i]}")
+    print(f"           dense  {dense_tokens[i]}")
+max_diff = max(float(jnp.abs(jnp.stack(engine_logits[i]) - dense[i][1]).max()) for i in range(nreq))
+print(f"max |logit difference| over all steps: {max_diff:.1e}")
+assert engine_tokens == dense_tokens, (engine_tokens, dense_tokens)
+assert max_diff < 1e-3
+print("OK: packed prefill + paged decode generate exactly the dense model's tokens")""",
+]
+
 if __name__ == "__main__":
-    for name, cells in (("01_packed_requests.ipynb", NB1), ("02_paged_kv.ipynb", NB2)):
+    for name, cells in (("01_packed_requests.ipynb", NB1), ("02_paged_kv.ipynb", NB2),
+                        ("03_use_in_a_model.ipynb", NB3)):
         nbformat.write(nb(cells), HERE / name)
         print("wrote", HERE / name)
