@@ -16,6 +16,7 @@ LSE convention: natural log, float32, ``-inf`` for a row that sees no key (its o
 """
 
 from pallas_attn.cache import allocate_kv_cache, write_kv_cache
+from pallas_attn.checks import checked
 from pallas_attn.config import DecodeConfig, PrefillConfig, SparseConfig
 from pallas_attn.decode import paged_decode_attention
 from pallas_attn.metadata import BatchMetadata, build_metadata
@@ -39,7 +40,7 @@ except ImportError:  # a source checkout: load reference/ under the same name
     _spec.loader.exec_module(reference)
 
 __all__ = [
-    "BatchMetadata", "DecodeConfig", "PrefillConfig", "SparseConfig", "allocate_kv_cache", "build_metadata",
+    "BatchMetadata", "DecodeConfig", "PrefillConfig", "SparseConfig", "allocate_kv_cache", "build_metadata", "checked",
     "merge_attention_states", "paged_attention", "paged_decode_attention", "reference", "sparse_mla_attention", "varlen_attention",
     "write_kv_cache",
 ]

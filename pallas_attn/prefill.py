@@ -51,7 +51,7 @@ def _prefill_kernel(
     o_ref,  # [T * Hq, Dp]
     *lse_refs,  # f32[T * Hq] when return_lse
     num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, heads_per_program: int,
-    block_q: int, block_n: int, causal: bool, scale2: float, precision,
+    block_q: int, block_n: int, causal: bool, scale2: float, precision, exp2,
 ):
     hp = heads_per_program
     group = num_q_heads // num_kv_heads
@@ -90,7 +90,7 @@ def _prefill_kernel(
                     visible = (masks.causal_mask(local_tok, k_pos, seq_len) if causal
                                else masks.length_mask(local_tok, k_pos, seq_len))
                     s2 = jnp.where(visible, s2, -jnp.inf)
-                return softmax.online_softmax_step(state, s2, v, dot)
+                return softmax.online_softmax_step(state, s2, v, dot, exp2)
 
             state = softmax.kv_loop(softmax.init_state(block_q * hp, q_ref.shape[-1]), 0, full_end, kv_end, step)
             out, lse = softmax.finalize(state)
@@ -133,7 +133,8 @@ def _prefill_call(q, k, v, cu_seqlens, *, max_seqlen, causal, scale, return_lse,
     kernel = functools.partial(
         _prefill_kernel, num_seqs=num_seqs, num_tokens=num_tokens, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, heads_per_program=hp, block_q=block_q,
-        block_n=cfg.block_n, causal=causal, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype))
+        block_n=cfg.block_n, causal=causal, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype),
+        exp2=softmax.approx_exp2 if (cfg.approx_exp2 and not interpret) else jnp.exp2)
     out_shape = [jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype)]
     out_specs = [full(num_tokens * num_q_heads)]
     if return_lse:
@@ -187,7 +188,7 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       cu_seqlens: ``i32[num_seqs + 1]``, non-decreasing from 0; request ``b`` owns rows
         ``[cu_seqlens[b], cu_seqlens[b+1])``. Rows at or past ``cu_seqlens[-1]`` are padding (output 0).
       max_seqlen: static bound on every request's length (bucket it, e.g. next power of two, so batches share one
-        compiled program). A longer request is silently truncated: check with ``debug_checks``.
+        compiled program). A longer request is silently truncated: check with :func:`pallas_attn.checked`.
       causal: request-local causal mask (query ``i`` sees keys ``j <= i``); False: each request attends to all of
         its own tokens.
       softmax_scale: default ``1/sqrt(head_dim)``.

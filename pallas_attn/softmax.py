@@ -26,7 +26,16 @@ def init_state(rows: int, width: int):
             jnp.zeros((rows,), jnp.float32))
 
 
-def online_softmax_step(state, s2, v, dot):
+def approx_exp2(x):
+    """``2**x`` with PTX ``ex2.approx.ftz.f32`` (one MUFU op; GPU only). libdevice's ``exp2f``, which Pallas uses for
+    ``jnp.exp2``, adds denormal handling around it."""
+    from jax.experimental.pallas import triton as plgpu
+    [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+    return y
+
+
+def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2):
     """Fold one key tile into the running state.
 
     Args:
@@ -34,12 +43,13 @@ def online_softmax_step(state, s2, v, dot):
       s2: ``[M, N]`` float32 scores in base 2, ``-inf`` where masked.
       v: ``[N, D]`` value tile (input dtype); masked keys must hold finite values (loads use ``other=0``).
       dot: the backend's matmul ``dot(a [M, N], b [N, D]) -> f32 [M, D]``.
+      exp2: ``jnp.exp2`` (interpret mode, exact) or :func:`approx_exp2` (compiled).
     """
     acc, m, l = state
     m_new = jnp.maximum(m, jnp.max(s2, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet: exponents against 0
-    alpha = jnp.exp2(m - m_safe)  # [M]; 0 for a row's first visible tile (m = -inf)
-    p = jnp.exp2(s2 - m_safe[:, None])  # [M, N]; masked entries are exp2(-inf) = 0
+    alpha = exp2(m - m_safe)  # [M]; 0 for a row's first visible tile (m = -inf)
+    p = exp2(s2 - m_safe[:, None])  # [M, N]; masked entries are exp2(-inf) = 0
     l = alpha * l + jnp.sum(p, axis=1)
     acc = alpha[:, None] * acc + dot(p.astype(v.dtype), v)
     return acc, m_new, l

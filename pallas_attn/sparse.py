@@ -156,7 +156,7 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
       kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` one shared latent head per position.
       block_tables: ``i32[num_seqs, max_blocks]``.
       topk_indices: ``i32[num_tokens, topk]`` request-local positions; ``-1`` = unused; duplicates count twice.
-        Indices must be below the request's length (``debug_checks`` verifies it).
+        Indices must be below the request's length (:func:`pallas_attn.checked` verifies it).
       cu_query_lens: ``i32[num_seqs + 1]``; None means one token per request (decode, ``num_tokens == num_seqs``).
         Tokens at or past ``cu_query_lens[-1]`` are padding (output 0, LSE -inf).
       kv_lora_rank: value dims (the first ``kv_lora_rank`` of each row); output ``[num_tokens, num_heads,

@@ -66,9 +66,9 @@ def decode(ctx, name, cfgs, split_opts):
             print(name, cfg, sp, "FAILED", type(e).__name__, str(e)[:300], flush=True)
     return q, kc, vc, bt, cl, nbytes
 
-PCFGS = [PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, heads_per_program=hp)
-         for (bm, bn, w, s) in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 2), (128, 64, 8, 2)]
-         for hp in (None, 1)]
+PCFGS = [PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, heads_per_program=hp, approx_exp2=ax)
+         for (bm, bn, w, s) in [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4), (128, 128, 8, 2)]
+         for hp, ax in ((None, True), (None, False), (1, True))]
 if "P1" in which:
     prefill([8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256], "P1", PCFGS)
 if "P2" in which:

@@ -1,0 +1,341 @@
+"""Anchor implementations, measured in the same process as ours.
+
+Every anchor's ``prepare`` does its layout work OUTSIDE the timing (padding, page gathering for contiguous
+layouts, transposes, head repetition) and records in ``note`` what it had to do. An anchor that cannot run here
+(cuDNN on a CPU, an internal API that moved) raises; the harness turns that into an ``error`` row.
+
+  cudnn              jax.nn.dot_product_attention(implementation="cudnn") on the padded [B, L_max, H, D] layout
+                     with query_seq_lengths / key_value_seq_lengths (P1, P2)
+  cudnn/packed       JAX's internal cuDNN entry point on the packed layout (q_offsets), P1; internal API
+  cudnn/paged        JAX's internal cuDNN paged attention (D1, D2); internal API, pool padded to B·max_blocks pages
+  jax_pallas_mha     jax.experimental.pallas.ops.gpu.attention.mha (P1 packed into one sequence with segment_ids,
+                     P2 as is); K/V heads repeated to Hq (mha has no GQA)
+  jax_pallas_decode  jax.experimental.pallas.ops.gpu.decode_attention (its gqa kernel) on contiguous K/V: pages
+                     gathered and transposed to [B, Hkv, L, D] first (D1, D2)
+  jax_pallas_paged   jax.experimental.pallas.ops.gpu.paged_attention on [Hkv, pages, page_size, D] (transposed
+                     first); D1, D2, and V1 as one call per draft token
+  jnp                jitted jnp gather + dense attention (float32 scores, bf16 P·V), every workload: the floor
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.impls import Impl, Options, Prepared, identity
+from benchmarks.workloads import Batch, HostBatch, Spec
+
+SCORE_BUDGET_BYTES = 4 * 2**30  # jnp baseline: f32 score block per query chunk
+
+
+def _scale(spec: Spec) -> float:
+    return 1.0 / math.sqrt(spec.head_dim)
+
+
+def _pad_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _padded_rows(host: HostBatch) -> tuple[np.ndarray, int]:
+    """Packed row of (request b, local i) for the padded [B, L_max] layout (padding points at row 0)."""
+    L = int(host.q_lens.max())
+    i = np.arange(L)[None, :]
+    rows = host.cu_query_lens[:-1, None] + i
+    return np.where(i < host.q_lens[:, None], rows, 0).astype(np.int32), L
+
+
+# ----------------------------------------------------------------------------------------------------- cuDNN
+def _prepare_cudnn(batches: list[Batch], options: Options) -> Prepared:
+    host = batches[0].host
+    rows, L = _padded_rows(host)
+    lens = jnp.asarray(host.q_lens, jnp.int32)
+    rows_j = jnp.asarray(rows)
+
+    @jax.jit
+    def fn(q, k, v, q_lens):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=q_lens,
+                                            key_value_seq_lengths=q_lens, implementation="cudnn")
+
+    args = [(b.arrays["q"][rows_j], b.arrays["k"][rows_j], b.arrays["v"][rows_j], lens) for b in batches]
+    valid = (np.arange(L)[None, :] < host.q_lens[:, None])
+    b_idx, i_idx = np.nonzero(valid)  # row-major = packed order
+
+    def canonical(out):  # [B, L, Hq, D] -> packed [T, Hq, D]
+        return out[b_idx, i_idx]
+
+    return Prepared(fn, args, canonical, note=f"padded to [{host.num_seqs}, {L}]")
+
+
+def _prepare_cudnn_packed(batches: list[Batch], options: Options) -> Prepared:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+    host, spec = batches[0].host, batches[0].spec
+    B = host.num_seqs
+    q_offsets = jnp.asarray(host.cu_query_lens[None, :], jnp.int32)  # [1, B + 1]
+    seqlen = jnp.asarray(host.q_lens[None, :], jnp.int32)  # [1, B]
+
+    @jax.jit
+    def fn(q, k, v, seqlen, offsets):
+        return cudnn_fa.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
+                                              kv_offsets=offsets, scale=_scale(spec),
+                                              mask_type=cudnn_fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+
+    args = [(b.arrays["q"][None], b.arrays["k"][None], b.arrays["v"][None], seqlen, q_offsets) for b in batches]
+    return Prepared(fn, args, lambda out: out[0], note=f"internal API, {B} segments in one row")
+
+
+def _prepare_cudnn_paged(batches: list[Batch], options: Options) -> Prepared:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+    host, spec = batches[0].host, batches[0].spec
+    B, max_blocks = host.block_tables.shape
+    extra = B * max_blocks - host.num_pages  # cuDNN wants exactly B·max_blocks pages in the pool
+    tables = jnp.asarray(host.block_tables[:, None, :, None], jnp.int32)  # [B, 1, max_blocks, 1]
+    ones = jnp.ones((B,), jnp.int32)
+    ctx = jnp.asarray(host.seq_lens, jnp.int32)
+
+    @jax.jit
+    def fn(q, kc, vc, tables, q_len, kv_len):
+        return cudnn_fa.paged_attention(q, kc, vc, q_len, kv_len, tables, tables, scale=_scale(spec),
+                                        mask_type=cudnn_fa.MaskType.PADDING, qkv_layout="BTNH")
+
+    def pad_pool(c):
+        return jnp.concatenate([c, jnp.zeros((extra, *c.shape[1:]), c.dtype)]) if extra > 0 else c
+
+    args = [(b.arrays["q"][:, None], pad_pool(b.arrays["k_cache"]), pad_pool(b.arrays["v_cache"]), tables, ones,
+             ctx) for b in batches]
+    return Prepared(fn, args, lambda out: out[:, 0], note=f"internal API, pool padded by {extra} pages")
+
+
+# ---------------------------------------------------------------------------------------------- JAX Pallas
+def _prepare_jax_mha(batches: list[Batch], options: Options) -> Prepared:
+    from jax.experimental.pallas.ops.gpu import attention as jax_attention
+    host, spec = batches[0].host, batches[0].spec
+    T = host.num_tokens
+    block = 128 if T >= 128 else T
+    T_pad = _pad_to(T, block)
+    group = spec.num_q_heads // spec.num_kv_heads
+    segments = None
+    if host.num_seqs > 1 or T_pad != T:  # one packed row; each request (and the padding tail) its own segment
+        seg = np.repeat(np.arange(host.num_seqs), host.q_lens)
+        seg = np.concatenate([seg, np.full(T_pad - T, host.num_seqs)]).astype(np.int32)
+        segments = jnp.asarray(seg[None])
+    blocks = jax_attention.BlockSizes(block_q=block, block_k=block)
+
+    @jax.jit
+    def fn(q, k, v, segment_ids):
+        return jax_attention.mha(q, k, v, segment_ids, sm_scale=_scale(spec), causal=True, block_sizes=blocks,
+                                 interpret=options.interpret)
+
+    def prep(x, repeat):
+        x = jnp.pad(x, ((0, T_pad - T), (0, 0), (0, 0)))
+        return (jnp.repeat(x, group, axis=1) if repeat else x)[None]
+
+    args = [(prep(b.arrays["q"], False), prep(b.arrays["k"], True), prep(b.arrays["v"], True), segments)
+            for b in batches]
+    note = f"K/V heads repeated x{group}" + (", packed with segment_ids" if segments is not None else "")
+    return Prepared(fn, args, lambda out: out[0, :T], note=note)
+
+
+def _contiguous_kv(batch: Batch, L_pad: int):
+    """Paged cache -> contiguous [B, Hkv, L_pad, D] (pages gathered, positions past a request's end are pages
+    of the table's zero padding: never visible)."""
+    host, spec = batch.host, batch.spec
+    pages = L_pad // spec.block_size
+    tables = np.zeros((host.num_seqs, pages), np.int32)
+    tables[:, :min(pages, host.block_tables.shape[1])] = host.block_tables[:, :pages]
+    tables = jnp.asarray(tables)
+
+    def gather(cache):
+        x = cache[tables].reshape(host.num_seqs, L_pad, spec.num_kv_heads, spec.head_dim)
+        return jnp.swapaxes(x, 1, 2)
+
+    return gather(batch.arrays["k_cache"]), gather(batch.arrays["v_cache"])
+
+
+def _prepare_jax_decode(batches: list[Batch], options: Options) -> Prepared:
+    from jax.experimental.pallas.ops.gpu import decode_attention as jax_decode
+    host, spec = batches[0].host, batches[0].spec
+    k_splits, block_k = (2, 16) if options.tiny else (16, 128)
+    L_pad = _pad_to(int(host.seq_lens.max()), k_splits * block_k)
+    B, Hkv, G = host.num_seqs, spec.num_kv_heads, spec.num_q_heads // spec.num_kv_heads
+    inner = functools.partial(jax_decode.decode_attn_unbatched, sm_scale=_scale(spec), block_h=16, block_k=block_k,
+                              k_splits=k_splits, num_warps=None, num_stages=2, grid=None,
+                              interpret=options.interpret, debug=False, return_residuals=False,
+                              normalize_output=True)
+
+    @jax.jit
+    def fn(q, k_t, v_t, kv_len):  # what jax_decode.gqa does, minus its swapaxes of K/V (done outside timing)
+        q = q.reshape(B, Hkv, G, spec.head_dim)
+        lens = jnp.broadcast_to(kv_len[:, None], (B, Hkv))
+        out = jax.vmap(jax.vmap(inner))(q, k_t, v_t, None, lens)
+        return out.reshape(B, spec.num_q_heads, spec.head_dim)
+
+    ctx = jnp.asarray(host.seq_lens, jnp.int32)
+    args = [(b.arrays["q"], *_contiguous_kv(b, L_pad), ctx) for b in batches]
+    return Prepared(fn, args, identity, note=f"contiguous [B, Hkv, {L_pad}, D], pre-transposed, k_splits={k_splits}")
+
+
+def _paged_tables_for_jax(host: HostBatch, multiple: int) -> jax.Array:
+    B, max_blocks = host.block_tables.shape
+    tables = np.zeros((B, _pad_to(max_blocks, multiple)), np.int32)  # 0 = a real page: in range, never visible
+    tables[:, :max_blocks] = host.block_tables
+    return jnp.asarray(tables)
+
+
+def _prepare_jax_paged(batches: list[Batch], options: Options) -> Prepared:
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+    host = batches[0].host
+    k_splits, pages_per_block = (2, 2) if options.tiny else (16, 8)
+    tables = _paged_tables_for_jax(host, k_splits * pages_per_block)
+    call = functools.partial(jax_paged.paged_attention, k_splits=k_splits, pages_per_compute_block=pages_per_block,
+                             interpret=options.interpret)
+    # the kernel scales nothing itself: fold softmax_scale into q (outside: part of what a caller does anyway)
+    scale = _scale(batches[0].spec)
+    q_len = host.max_query_len
+    if not np.all(host.q_lens == q_len):
+        raise NotImplementedError("jax_pallas_paged runs only equal q_len batches (decode, verification)")
+    base = jnp.asarray(host.seq_lens - q_len, jnp.int32)
+
+    @jax.jit
+    def fn(q, k_pages, v_pages, tables, base):
+        if q_len == 1:
+            return call(q, k_pages, v_pages, tables, base + 1)
+        q = q.reshape(-1, q_len, *q.shape[1:])  # [B, q_len, Hq, D]: one call per draft token
+        outs = [call(q[:, i], k_pages, v_pages, tables, base + i + 1) for i in range(q_len)]
+        return jnp.stack(outs, axis=1).reshape(-1, *q.shape[2:])
+
+    def args_for(b: Batch):
+        tr = lambda c: jnp.transpose(c, (2, 0, 1, 3))  # [Hkv, pages, page_size, D]
+        return (b.arrays["q"] * jnp.asarray(scale, b.arrays["q"].dtype), tr(b.arrays["k_cache"]),
+                tr(b.arrays["v_cache"]), tables, base)
+
+    note = f"[Hkv, pages, page_size, D] pre-transposed, k_splits={k_splits}, q pre-scaled"
+    if q_len > 1:
+        note += f", {q_len} calls (one per draft token)"
+    return Prepared(fn, [args_for(b) for b in batches], identity, note=note)
+
+
+# --------------------------------------------------------------------------------------------------- jnp
+def _dense(q, k, v, visible, scale):
+    """q [n, m, Hq, D], k [n, N, Hkv, D], v [n, N, Hkv, Dv], visible bool[n, m, N] -> [n, m, Hq, Dv] in q.dtype.
+    Scores and softmax in float32, P·V with P cast to v's dtype (what a plain bf16 model would run)."""
+    n, m, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(n, m, hkv, hq // hkv, d)
+    s = jnp.einsum("bmkgd,bnkd->bkgmn", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgmn,bnkd->bmkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(n, m, hq, v.shape[-1]).astype(q.dtype)
+
+
+def _jnp_groups(host: HostBatch) -> list[np.ndarray]:
+    """Requests batched together in the jnp baseline: equal q_len (and, for prefill, equal length)."""
+    key = host.seq_lens if host.spec.kind == "prefill" else host.q_lens
+    return [np.flatnonzero(key == v) for v in np.unique(key)]
+
+
+def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
+    host, spec = batches[0].host, batches[0].spec
+    if spec.kind == "sparse":
+        return _prepare_jnp_sparse(batches, options)
+    T, scale = host.num_tokens, _scale(spec)
+    plans, group_args = [], []
+    for idx in _jnp_groups(host):
+        n, m = idx.size, int(host.q_lens[idx].max())
+        i = np.arange(m)[None, :]
+        q_idx = np.where(i < host.q_lens[idx, None], host.cu_query_lens[idx, None] + i, T).astype(np.int32)
+        q_pos = (host.context_lens[idx, None] + i).astype(np.int32)
+        if host.paged:
+            pages = int(-(-host.seq_lens[idx].max() // spec.block_size))
+            keys = host.block_tables[idx, :pages]  # [n, pages]
+            num_keys = pages * spec.block_size
+        else:
+            num_keys = int(host.seq_lens[idx].max())
+            j = np.arange(num_keys)[None, :]
+            keys = np.where(j < host.seq_lens[idx, None], host.cu_query_lens[idx, None] + j, 0)  # packed rows
+        chunk = m
+        while chunk > 1 and n * spec.num_q_heads * chunk * num_keys * 4 > SCORE_BUDGET_BYTES:
+            chunk //= 2
+        num_chunks = -(-m // chunk)
+        pad = num_chunks * chunk - m
+        q_idx = np.pad(q_idx, ((0, 0), (0, pad)), constant_values=T)
+        q_pos = np.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
+        # [num_chunks, n, chunk]
+        q_idx = q_idx.reshape(n, num_chunks, chunk).transpose(1, 0, 2)
+        q_pos = q_pos.reshape(n, num_chunks, chunk).transpose(1, 0, 2)
+        plans.append((n, num_keys))
+        group_args.append(tuple(jnp.asarray(x) for x in (q_idx, q_pos, keys.astype(np.int32),
+                                                          host.seq_lens[idx].astype(np.int32))))
+
+    def attend_group(q, k_src, v_src, plan, q_idx, q_pos, keys, seq):
+        n, num_keys = plan
+        if host.paged:
+            k = k_src[keys].reshape(n, num_keys, spec.num_kv_heads, spec.head_dim)
+            v = v_src[keys].reshape(n, num_keys, spec.num_kv_heads, spec.head_dim)
+        else:
+            k, v = k_src[keys], v_src[keys]  # [n, num_keys, Hkv, D]
+        key_pos = jnp.arange(num_keys)
+
+        def one_chunk(c):
+            qi, qp = c  # [n, chunk]
+            qc = q[jnp.minimum(qi, T - 1)]
+            visible = (key_pos[None, None, :] <= qp[..., None]) & (key_pos[None, None, :] < seq[:, None, None])
+            return _dense(qc, k, v, visible, scale)
+
+        out = jax.lax.map(one_chunk, (q_idx, q_pos))  # [num_chunks, n, chunk, Hq, D]
+        return out, q_idx
+
+    @jax.jit
+    def fn(q, k_src, v_src, *gargs):
+        out = jnp.zeros((T + 1, spec.num_q_heads, spec.head_dim), q.dtype)  # row T: sink for padding
+        for plan, ga in zip(plans, gargs):
+            o, q_idx = attend_group(q, k_src, v_src, plan, *ga)
+            out = out.at[q_idx.reshape(-1)].set(o.reshape(-1, *o.shape[3:]))
+        return out[:T]
+
+    def args_for(b: Batch):
+        a = b.arrays
+        k_src, v_src = (a["k_cache"], a["v_cache"]) if host.paged else (a["k"], a["v"])
+        return (a["q"], k_src, v_src, *group_args)
+
+    return Prepared(fn, [args_for(b) for b in batches], identity, note=f"{len(plans)} dense groups")
+
+
+def _prepare_jnp_sparse(batches: list[Batch], options: Options) -> Prepared:
+    host, spec = batches[0].host, batches[0].spec
+    token_req = jnp.asarray(np.repeat(np.arange(host.num_seqs), host.q_lens).astype(np.int32))
+    scale, bs, rank = _scale(spec), spec.block_size, spec.kv_lora_rank
+
+    @jax.jit
+    def fn(q, kv_cache, tables, topk, token_req):
+        pos = jnp.maximum(topk, 0)
+        rows = kv_cache[tables[token_req[:, None], pos // bs], pos % bs]  # [T, topk, 576] gathered
+        s = jnp.einsum("thd,tkd->thk", q, rows, preferred_element_type=jnp.float32) * scale
+        s = jnp.where((topk >= 0)[:, None, :], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("thk,tkd->thd", p.astype(q.dtype), rows[..., :rank], preferred_element_type=jnp.float32)
+        return o.astype(q.dtype)
+
+    args = [(b.arrays["q"], b.arrays["kv_cache"], b.arrays["block_tables"], b.arrays["topk_indices"], token_req)
+            for b in batches]
+    return Prepared(fn, args, identity, note="gather + dense")
+
+
+# ---------------------------------------------------------------------------------------------- registry
+def _ids(*ids):
+    return lambda s: s.id in ids
+
+
+ANCHORS: list[Impl] = [
+    Impl("cudnn", _ids("P1", "P2"), _prepare_cudnn),
+    Impl("cudnn/packed", _ids("P1"), _prepare_cudnn_packed),
+    Impl("cudnn/paged", _ids("D1", "D2"), _prepare_cudnn_paged),
+    Impl("jax_pallas_mha", _ids("P1", "P2"), _prepare_jax_mha),
+    Impl("jax_pallas_decode", _ids("D1", "D2"), _prepare_jax_decode),
+    Impl("jax_pallas_paged", _ids("D1", "D2", "V1"), _prepare_jax_paged),
+    Impl("jnp", lambda s: not s.id.startswith("split-"), _prepare_jnp),
+]

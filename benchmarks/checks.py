@@ -1,0 +1,116 @@
+"""Correctness check before timing: each implementation's output against :mod:`pallas_attn.reference`.
+
+The oracles loop over requests in Python and build float32 ``[rows, keys]`` score matrices, so at benchmark sizes
+they run on a SUBSET of rows, chosen once per workload and input set 0:
+
+* prefill: the shortest, a middle and the longest request; for each, its first ``PREFIX_ROWS`` query rows (a
+  causal prefix only sees itself: ``reference.varlen_attention`` on the prefix) and its last ``SUFFIX_ROWS`` rows
+  (``reference.paged_attention`` with q_len = SUFFIX_ROWS over the whole request stored as a single page);
+* decode: up to 4 requests (first, last, shortest, longest) through ``reference.paged_decode_attention``;
+* ragged: the first request of every group plus the longest, through ``reference.paged_attention``;
+* sparse: up to 4 tokens through ``reference.sparse_mla_attention``.
+
+``rel_err`` is ``||out - ref|| / ||ref||`` over those rows (float64; :func:`pallas_attn.testing.relative_l2`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.workloads import Batch
+
+PREFIX_ROWS = 128
+SUFFIX_ROWS = 64
+MAX_REQUESTS = 4
+
+
+@dataclasses.dataclass
+class RefSubset:
+    rows: np.ndarray  # int[n]: rows of the canonical output that are checked
+    ref: np.ndarray  # f32[n, H, Dv]
+
+
+def _pick(values: np.ndarray) -> list[int]:
+    picks = [0, values.size - 1, int(np.argmin(values)), int(np.argmax(values)), values.size // 2]
+    out = []
+    for p in picks:
+        if p not in out:
+            out.append(p)
+    return out[:MAX_REQUESTS]
+
+
+def _cu(lens) -> jnp.ndarray:
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+
+
+def reference_subset(batch: Batch) -> RefSubset:
+    from pallas_attn import reference
+    host, a = batch.host, batch.arrays
+    kind = host.spec.kind
+    rows, refs = [], []
+    if kind == "prefill":
+        order = np.argsort(host.seq_lens, kind="stable")
+        chosen = sorted({int(order[0]), int(order[len(order) // 2]), int(order[-1])})
+        for b in chosen:
+            start, length = int(host.cu_query_lens[b]), int(host.seq_lens[b])
+            m = min(length, PREFIX_ROWS)
+            sl = slice(start, start + m)
+            refs.append(np.asarray(reference.varlen_attention(a["q"][sl], a["k"][sl], a["v"][sl], _cu([m]))))
+            rows.append(np.arange(start, start + m))
+            r = min(SUFFIX_ROWS, length - m)
+            if r > 0:
+                whole = slice(start, start + length)
+                q_rows = slice(start + length - r, start + length)
+                out = reference.paged_attention(a["q"][q_rows], a["k"][whole][None], a["v"][whole][None],
+                                                jnp.zeros((1, 1), jnp.int32), jnp.asarray([length], jnp.int32),
+                                                _cu([r]))
+                refs.append(np.asarray(out))
+                rows.append(np.arange(start + length - r, start + length))
+    elif kind == "decode":
+        idx = np.asarray(sorted(_pick(host.seq_lens)))
+        out = reference.paged_decode_attention(a["q"][idx], a["k_cache"], a["v_cache"],
+                                               jnp.asarray(host.block_tables[idx]),
+                                               jnp.asarray(host.seq_lens[idx], jnp.int32))
+        refs.append(np.asarray(out))
+        rows.append(idx)
+    elif kind == "ragged":
+        from benchmarks.impls import request_groups
+        idx = {int(g[0]) for g in request_groups(host)} | {int(np.argmax(host.seq_lens))}
+        idx = np.asarray(sorted(idx))
+        q_rows = np.concatenate([np.arange(host.cu_query_lens[b], host.cu_query_lens[b + 1]) for b in idx])
+        out = reference.paged_attention(a["q"][q_rows], a["k_cache"], a["v_cache"],
+                                        jnp.asarray(host.block_tables[idx]),
+                                        jnp.asarray(host.seq_lens[idx], jnp.int32), _cu(host.q_lens[idx]))
+        refs.append(np.asarray(out))
+        rows.append(q_rows)
+    elif kind == "sparse":
+        if not np.all(host.q_lens == 1):
+            raise NotImplementedError("sparse check assumes one token per request")
+        idx = np.asarray(sorted(_pick(np.arange(host.num_seqs))))
+        out = reference.sparse_mla_attention(a["q"][idx], a["kv_cache"], jnp.asarray(host.block_tables[idx]),
+                                             jnp.asarray(host.topk_indices[idx]),
+                                             kv_lora_rank=host.spec.kv_lora_rank)
+        refs.append(np.asarray(out))
+        rows.append(idx)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    return RefSubset(np.concatenate(rows), np.concatenate(refs).astype(np.float32))
+
+
+def rel_err(canonical_out, subset: RefSubset) -> float:
+    from pallas_attn.testing import relative_l2
+    out = np.asarray(canonical_out[jnp.asarray(subset.rows)]).astype(np.float32)
+    if out.shape != subset.ref.shape:
+        raise ValueError(f"output rows {out.shape} do not match the reference {subset.ref.shape}")
+    if not np.all(np.isfinite(out)):
+        return float("nan")
+    return float(relative_l2(out, subset.ref))
+
+
+def tolerance(dtype) -> float:
+    """Flag threshold: twice the test-suite tolerance for the input dtype (the benchmark never fails on it)."""
+    from pallas_attn.testing import TOLERANCES
+    return 2 * TOLERANCES.get(np.dtype(dtype), 1e-2)

@@ -1,0 +1,163 @@
+"""``--sweep``: tuning mode for our kernels. Tries a grid of configs per workload, prints the winners and writes
+``<date>-<device>-sweep.json`` with entries ready to paste into the tables of :mod:`pallas_attn.config`.
+
+Two stages per workload: stage 1 is the block-size × warps × stages grid at the default split choice; stage 2
+varies what only makes sense around the stage-1 winner (prefill: query heads per program; decode and ragged:
+``num_splits``). Every config is checked against the reference subset before it is timed; a config that fails to
+compile (shared memory, register limits) or is wrong is recorded with its error and skipped.
+
+Table entries: for each kernel family the config with the best geometric-mean speed-up over the family's
+workloads (among configs measured on all of them) is proposed, keyed the way ``pallas_attn/config.py`` looks it
+up: prefill and decode by ``(device kind, next_pow2(head_dim))``, sparse by ``(device kind, num_q_heads)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from pallas_attn import config as config_lib
+from pallas_attn.config import DecodeConfig, PrefillConfig, SparseConfig
+
+FAMILY_TABLE = {"prefill": "PREFILL_TABLE", "decode": "DECODE_TABLE", "ragged": "DECODE_TABLE",
+                "sparse": "SPARSE_TABLE"}
+
+
+# --------------------------------------------------------------------------------------------------- grids
+def stage1(spec, tiny: bool) -> list[dict]:
+    kind = spec.kind
+    if kind == "prefill":
+        if tiny:
+            return [{"config": PrefillConfig(16, 16, None, 4, 2)}, {"config": PrefillConfig(32, 16, None, 4, 1)}]
+        return [{"config": PrefillConfig(bm, bn, None, w, s)}
+                for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+    if kind == "decode":
+        if tiny:
+            return [{"config": DecodeConfig(16, None, 4, 2)}, {"config": DecodeConfig(32, None, 4, 1)}]
+        return [{"config": DecodeConfig(bn, None, w, s)}
+                for bn, w, s in itertools.product((16, 32, 64, 128, 256), (2, 4, 8), (1, 2, 3, 4))]
+    if kind == "ragged":
+        if tiny:
+            return [{"config": DecodeConfig(16, None, 4, 2)}, {"config": DecodeConfig(32, 8, 4, 1)}]
+        return [{"config": DecodeConfig(bn, bq, w, s)}
+                for bn, bq, w, s in itertools.product((32, 64, 128), (None, 4, 8, 16), (4, 8), (2, 3))]
+    if kind == "sparse":
+        if tiny:
+            return [{"config": SparseConfig(16, 16, 4, 2)}, {"config": SparseConfig(32, 16, 4, 1)}]
+        return [{"config": SparseConfig(bn, bh, w, s)}
+                for bn, bh, w, s in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3))]
+    raise ValueError(f"no sweep grid for kind {kind!r}")
+
+
+def stage2(spec, winner: dict, tiny: bool) -> list[dict]:
+    cfg = winner["config"]
+    if spec.kind == "prefill":
+        group = spec.num_q_heads // spec.num_kv_heads
+        return [{"config": dataclasses.replace(cfg, heads_per_program=h)}
+                for h in (1, 2, 4, 8) if group % h == 0 and h <= cfg.block_m and h != cfg.heads_per_program]
+    if spec.kind in ("decode", "ragged"):
+        splits = (1, 2) if tiny else (1, 2, 4, 8, 16, 32, 64)
+        return [{"config": cfg, "num_splits": s} for s in splits]
+    return []
+
+
+def label(overrides: dict) -> str:
+    parts = []
+    cfg = overrides.get("config")
+    if cfg is not None:
+        parts.append(", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)))
+    if "num_splits" in overrides:
+        parts.append(f"num_splits={overrides['num_splits']}")
+    return "; ".join(parts) or "default"
+
+
+def to_json(overrides: dict) -> dict:
+    out = {}
+    cfg = overrides.get("config")
+    if cfg is not None:
+        out["config_class"] = type(cfg).__name__
+        out["config"] = dataclasses.asdict(cfg)
+    if "num_splits" in overrides:
+        out["num_splits"] = overrides["num_splits"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- runner
+def sweep_workload(spec, batches, subset, options, measure, target_s: float, tiny: bool, progress=None) -> dict:
+    """Returns {"default", "winner", "results"}; ``measure(impl, batches, options, subset, target_s)`` is
+    :func:`benchmarks.run.measure_case`."""
+    from benchmarks.impls import OUR_IMPLS
+    impl = OUR_IMPLS[0]
+    unit = spec.units[0]
+    results = []
+
+    def run(overrides: dict, stage: str) -> dict:
+        opts = dataclasses.replace(options, overrides=overrides)
+        r = measure(impl, batches, opts, subset, target_s)
+        entry = {"stage": stage, "label": label(overrides), **to_json(overrides), "median_ms": r.median_ms,
+                 "metric": r.metric(unit), "unit": unit, "rel_err": r.rel_err, "error": r.error, "note": r.note,
+                 "_overrides": overrides}
+        results.append(entry)
+        if progress is not None:
+            progress(f"{spec.id} {entry['label']}: " + (f"{entry['median_ms']:.4f} ms" if r.ok else f"({r.error})"))
+        return entry
+
+    default = run({}, "default")
+    for ov in stage1(spec, tiny):
+        run(ov, "1")
+    ok = [e for e in results if e["error"] is None and e["stage"] == "1"]
+    if ok:
+        best1 = min(ok, key=lambda e: e["median_ms"])
+        for ov in stage2(spec, best1["_overrides"], tiny):
+            run(ov, "2")
+    good = [e for e in results if e["error"] is None]
+    winner = min(good, key=lambda e: e["median_ms"]) if good else None
+    return {"default": default, "winner": winner, "results": results}
+
+
+def propose_tables(specs, per_workload: dict, device_kind: str) -> list[dict]:
+    """One proposed table entry per kernel family: the config (split counts aside, they are not config fields)
+    with the best geometric-mean speed-up over the family's workloads, among configs measured on all of them."""
+    families: dict[str, list] = {}
+    for spec in specs:
+        if spec.id in per_workload:
+            families.setdefault(spec.kind, []).append(spec)
+    proposals = []
+    for kind, fam in families.items():
+        timings: dict[str, dict[str, float]] = {}  # label -> workload -> ms
+        configs: dict[str, object] = {}
+        for spec in fam:
+            for e in per_workload[spec.id]["results"]:
+                if e["error"] is None and e["stage"] != "default" and "num_splits" not in e["_overrides"]:
+                    timings.setdefault(e["label"], {})[spec.id] = e["median_ms"]
+                    configs[e["label"]] = e["_overrides"]["config"]
+        best = {s.id: min((t[s.id] for t in timings.values() if s.id in t), default=None) for s in fam}
+        scored = []
+        for lab, t in timings.items():
+            if len(t) == len(fam) and all(best[w] for w in t):
+                geo = math.exp(sum(math.log(best[w] / t[w]) for w in t) / len(t))
+                scored.append((geo, lab))
+        if not scored:
+            continue
+        geo, lab = max(scored)
+        cfg = configs[lab]
+        spec = fam[0]
+        key = (device_kind, spec.num_q_heads if kind == "sparse" else config_lib.next_pow2(spec.head_dim))
+        table = FAMILY_TABLE[kind]
+        line = f"{table}[{key!r}] = {cfg!r}"
+        if kind == "ragged":
+            line = "# ragged kernel (paged_attention) winner; config.py shares DECODE_TABLE today:\n# " + line
+        proposals.append({"kernel": kind, "table": table, "key": list(key), "from": [s.id for s in fam],
+                          "config_class": type(cfg).__name__, "config": dataclasses.asdict(cfg),
+                          "geomean_of_best": geo, "python": line})
+    return proposals
+
+
+def strip_private(per_workload: dict) -> dict:
+    clean = {}
+    for wid, d in per_workload.items():
+        strip = lambda e: None if e is None else {k: v for k, v in e.items() if not k.startswith("_")}
+        clean[wid] = {"default": strip(d["default"]), "winner": strip(d["winner"]),
+                      "results": [strip(e) for e in d["results"]]}
+    return clean

@@ -1,0 +1,339 @@
+"""The standard workloads of DESIGN.md §4 as data, their device-array builders and their derived metrics.
+
+A workload is a :class:`Spec`: shapes plus a list of request :class:`Group` s (new query tokens and keys per
+request). :func:`build_host` turns it into a :class:`HostBatch` (numpy lengths, page tables, top-k indices),
+drawing every random number from ONE ``np.random.default_rng(seed)`` in a fixed order: the groups' lengths first,
+then the page permutation (the pool holds exactly the pages needed, logical page ``i`` of the batch in request-major
+order is physical page ``perm[i]``), then the sparse top-k sets. :func:`build_arrays` makes the device arrays from a
+``jax.random`` key (fast on the GPU, and a new key gives a fresh input set with the same metadata).
+
+Metric formulas (all counted from the host metadata, never from the kernel):
+
+* useful causal FLOPs  = 4 · Σ visible (query, key) pairs · head_dim · num_q_heads
+  (request b with ``q_len`` new tokens after ``ctx = seq_len - q_len`` cached ones sees
+  ``q_len·ctx + q_len·(q_len+1)/2`` pairs; prefill is ``ctx = 0``, decode ``q_len = 1``)
+* K/V bytes            = Σ seq_len · num_kv_heads · head_dim · 2 (K and V) · itemsize  +  q bytes  +  out bytes
+* sparse MLA FLOPs     = Σ_tokens Σ_valid-indices (2 · H · 576  +  2 · H · 512)      (QKᵀ over 576, PV over 512)
+* sparse gathered bytes = Σ_tokens Σ_valid-indices 576 · itemsize
+
+Every standard workload has a ``--tiny`` twin (same structure, a few dozen tokens, 4 query heads) so the whole
+harness runs on CPU in interpret mode in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+L2_BYTES = 50 * 2**20  # H200 L2 (50 MB): smaller inputs are rotated between several sets when timed
+
+
+# ----------------------------------------------------------------------------------------------- spec as data
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """Lengths drawn as ``rng.integers(low, high + 1, n)`` (``high`` inclusive)."""
+    low: int
+    high: int
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Requests that share a query length.
+
+    ``seq_lens``: keys per request, the new tokens included (a tuple or a :class:`Draw`).
+    ``q_len``: new query tokens per request; ``None`` means the whole request is new (prefill, q_len = seq_len).
+    """
+    seq_lens: tuple[int, ...] | Draw
+    q_len: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One benchmark workload.
+
+    kind: ``prefill`` (packed contiguous q/k/v, :func:`pallas_attn.varlen_attention`), ``decode`` (one query per
+    request over a paged cache), ``ragged`` (packed new tokens over a paged cache, :func:`pallas_attn.paged_attention`)
+    or ``sparse`` (top-k sparse MLA over a paged latent cache).
+    units: the derived metrics reported, primary first.
+    """
+    id: str
+    kind: str
+    what: str
+    groups: tuple[Group, ...]
+    seed: int = 0
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    topk: int = 0  # sparse only
+    kv_lora_rank: int = 512  # sparse only: value dims (the first kv_lora_rank of head_dim)
+    units: tuple[str, ...] = ("TFLOP/s",)
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+
+_P1_LENS = (8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256)
+
+WORKLOADS: dict[str, Spec] = {s.id: s for s in [
+    Spec("P1", "prefill", "varlen prefill, 16 requests 256..8192", (Group(_P1_LENS),)),
+    Spec("P2", "prefill", "long prefill, one request of 32768", (Group((32768,)),)),
+    Spec("D1", "decode", "paged decode, 64 requests ctx 1k..8k, block 16", (Group(Draw(1024, 8192, 64), 1),),
+         units=("GB/s",)),
+    Spec("D2", "decode", "long-context decode (split-KV), ctx 20000..131072", (Group((20000, 35000, 65536, 131072), 1),),
+         units=("GB/s",)),
+    Spec("V1", "ragged", "verification, 32 requests 4k..16k, 6 new tokens each", (Group(Draw(4096, 16384, 32), 6),),
+         seed=1, units=("GB/s",)),
+    Spec("M1", "ragged", "mixed: 4 chunks 512 over 4096 + 56 decodes 1k..8k + 8 verifications q=6",
+         (Group((4608,) * 4, 512), Group(Draw(1024, 8192, 56), 1), Group(Draw(1024, 8192, 8), 6)),
+         units=("GB/s", "TFLOP/s")),
+    Spec("S1", "sparse", "sparse MLA decode, 64 requests ctx 32768, top-k 2048, 128 heads, 576/512",
+         (Group((32768,) * 64, 1),), num_q_heads=128, num_kv_heads=1, head_dim=576, block_size=64, topk=2048,
+         units=("TFLOP/s", "GB/s")),
+]}
+
+_TINY = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
+TINY_WORKLOADS: dict[str, Spec] = {s.id: s for s in [
+    Spec("P1", "prefill", "tiny varlen prefill", (Group((48, 32, 17, 16, 8, 7)),), **_TINY),
+    Spec("P2", "prefill", "tiny long prefill", (Group((96,)),), **_TINY),
+    Spec("D1", "decode", "tiny paged decode", (Group(Draw(16, 96, 4), 1),), units=("GB/s",), **_TINY),
+    Spec("D2", "decode", "tiny long-context decode", (Group((20, 35, 66, 131), 1),), units=("GB/s",), **_TINY),
+    Spec("V1", "ragged", "tiny verification", (Group(Draw(16, 64, 3), 6),), seed=1, units=("GB/s",), **_TINY),
+    Spec("M1", "ragged", "tiny mixed", (Group((48,), 16), Group(Draw(16, 64, 3), 1), Group(Draw(16, 64, 2), 6)),
+         units=("GB/s", "TFLOP/s"), **_TINY),
+    Spec("S1", "sparse", "tiny sparse MLA decode", (Group((128,) * 2, 1),), num_q_heads=16, num_kv_heads=1,
+         head_dim=576, block_size=16, topk=64, units=("TFLOP/s", "GB/s")),
+]}
+
+SPLIT_SWEEP_BATCHES = (1, 4, 16, 64)
+SPLIT_SWEEP_CTX = (1024, 8192, 32768, 131072)
+TINY_SPLIT_SWEEP_BATCHES = (1, 2)
+TINY_SPLIT_SWEEP_CTX = (32, 128)
+
+
+def split_sweep_specs(tiny: bool = False) -> list[Spec]:
+    """Decode over batch × context (uniform contexts), for the split-KV on/off comparison."""
+    batches = TINY_SPLIT_SWEEP_BATCHES if tiny else SPLIT_SWEEP_BATCHES
+    contexts = TINY_SPLIT_SWEEP_CTX if tiny else SPLIT_SWEEP_CTX
+    extra = _TINY if tiny else {}
+    return [Spec(f"split-b{b}-c{c}", "decode", f"decode sweep: batch {b}, ctx {c}", (Group((c,) * b, 1),),
+                 units=("GB/s",), **extra) for b in batches for c in contexts]
+
+
+def get_specs(ids, tiny: bool = False) -> list[Spec]:
+    table = TINY_WORKLOADS if tiny else WORKLOADS
+    unknown = [i for i in ids if i not in table]
+    if unknown:
+        raise ValueError(f"unknown workload ids {unknown}; known: {sorted(table)}")
+    return [table[i] for i in ids]
+
+
+# ------------------------------------------------------------------------------------------------ host side
+@dataclasses.dataclass
+class HostBatch:
+    """Numpy metadata of a workload (no device arrays).
+
+    q_lens, seq_lens: i64[num_seqs]; cu_query_lens: i32[num_seqs + 1] (packed query rows);
+    block_tables: i32[num_seqs, max_blocks] (paged kinds; entries past a request's last page are 0, a real page,
+    so anchors that read whole table rows stay in range); num_pages: pool size;
+    topk_indices: i32[num_tokens, topk] request-local positions (sparse only).
+    """
+    spec: Spec
+    q_lens: np.ndarray
+    seq_lens: np.ndarray
+    cu_query_lens: np.ndarray
+    block_tables: np.ndarray | None
+    num_pages: int
+    topk_indices: np.ndarray | None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.q_lens.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_query_lens[-1])
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.q_lens.max())
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        return self.seq_lens - self.q_lens
+
+    @property
+    def paged(self) -> bool:
+        return self.spec.kind != "prefill"
+
+    # ---- derived metrics -------------------------------------------------------------------------------------
+    def visible_pairs(self) -> int:
+        q, ctx = self.q_lens.astype(np.int64), self.context_lens.astype(np.int64)
+        return int(np.sum(q * ctx + q * (q + 1) // 2))
+
+    def flops(self) -> float:
+        s = self.spec
+        if s.kind == "sparse":
+            valid = int(np.sum(self.topk_indices >= 0))
+            return float(valid * (2 * s.num_q_heads * s.head_dim + 2 * s.num_q_heads * s.kv_lora_rank))
+        return float(4 * self.visible_pairs() * s.head_dim * s.num_q_heads)
+
+    def bytes_moved(self) -> float:
+        s = self.spec
+        item = s.jnp_dtype.itemsize
+        if s.kind == "sparse":
+            return float(int(np.sum(self.topk_indices >= 0)) * s.head_dim * item)
+        kv = int(np.sum(self.seq_lens.astype(np.int64))) * s.num_kv_heads * s.head_dim * 2 * item
+        q_out = 2 * self.num_tokens * s.num_q_heads * s.head_dim * item
+        return float(kv + q_out)
+
+    def metric(self, unit: str, seconds: float) -> float:
+        if unit == "TFLOP/s":
+            return self.flops() / seconds / 1e12
+        if unit == "GB/s":
+            return self.bytes_moved() / seconds / 1e9
+        raise ValueError(f"unknown {unit=}")
+
+    def input_bytes(self) -> int:
+        """Bytes of the device inputs (decides whether timing rotates input sets)."""
+        s = self.spec
+        item = s.jnp_dtype.itemsize
+        q = self.num_tokens * s.num_q_heads * s.head_dim * item
+        if s.kind == "prefill":
+            return q + 2 * self.num_tokens * s.num_kv_heads * s.head_dim * item
+        if s.kind == "sparse":
+            return q + self.num_pages * s.block_size * s.head_dim * item
+        return q + 2 * self.num_pages * s.block_size * s.num_kv_heads * s.head_dim * item
+
+
+def _lengths(group: Group, rng: np.random.Generator) -> np.ndarray:
+    if isinstance(group.seq_lens, Draw):
+        d = group.seq_lens
+        return rng.integers(d.low, d.high + 1, d.n).astype(np.int64)
+    return np.asarray(group.seq_lens, np.int64)
+
+
+def page_tables(seq_lens: np.ndarray, block_size: int, rng: np.random.Generator) -> tuple[np.ndarray, int]:
+    """Shuffled page tables over a pool that holds exactly the pages needed (vectorised numpy).
+
+    Returns (block_tables i32[num_seqs, max_blocks] with 0 past each request's last page, num_pages).
+    """
+    pages = -(-seq_lens // block_size)
+    num_pages = int(pages.sum())
+    perm = rng.permutation(num_pages).astype(np.int32)
+    max_blocks = max(1, int(pages.max()))
+    starts = np.concatenate([[0], np.cumsum(pages)[:-1]])
+    col = np.arange(max_blocks)[None, :]
+    owned = col < pages[:, None]
+    flat = np.where(owned, starts[:, None] + col, 0)
+    tables = np.where(owned, perm[np.minimum(flat, max(num_pages - 1, 0))], 0).astype(np.int32)
+    return tables, num_pages
+
+
+def build_host(spec: Spec) -> HostBatch:
+    rng = np.random.default_rng(spec.seed)
+    seq_parts, q_parts = [], []
+    for g in spec.groups:
+        lens = _lengths(g, rng)
+        seq_parts.append(lens)
+        q_parts.append(lens.copy() if g.q_len is None else np.full_like(lens, g.q_len))
+    seq_lens, q_lens = np.concatenate(seq_parts), np.concatenate(q_parts)
+    if np.any(q_lens > seq_lens):
+        raise ValueError(f"{spec.id}: a request has more new tokens than keys")
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    tables, num_pages, topk = None, 0, None
+    if spec.kind != "prefill":
+        tables, num_pages = page_tables(seq_lens, spec.block_size, rng)
+    if spec.kind == "sparse":
+        topk = _topk_indices(seq_lens, q_lens, spec.topk, rng)
+    return HostBatch(spec, q_lens, seq_lens, cu, tables, num_pages, topk)
+
+
+def _topk_indices(seq_lens, q_lens, topk: int, rng: np.random.Generator) -> np.ndarray:
+    """Per token, ``topk`` distinct request-local positions among the keys it may see (unsorted, like a real
+    indexer's output); ``-1`` pads when fewer keys are visible. Token ``i`` of a request sits at position
+    ``seq_len - q_len + i`` and may see keys ``<= `` its position."""
+    rows = []
+    for seq, q in zip(seq_lens, q_lens):
+        for i in range(int(q)):
+            visible = int(seq - q + i + 1)
+            take = min(topk, visible)
+            chosen = rng.permutation(visible)[:take]
+            row = np.full(topk, -1, np.int32)
+            row[:take] = chosen
+            rows.append(row)
+    return np.stack(rows).astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------------------ device side
+@dataclasses.dataclass
+class Batch:
+    """A workload's host metadata plus one set of device arrays.
+
+    arrays, by kind:
+      prefill: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens i32[B+1]
+      decode:  q [B, Hq, D], k_cache/v_cache [num_pages, block_size, Hkv, D], block_tables i32[B, max_blocks],
+               context_lens i32[B]
+      ragged:  q [T, Hq, D], k_cache/v_cache, block_tables, seq_lens i32[B], cu_query_lens i32[B+1]
+      sparse:  q [T, H, 576], kv_cache [num_pages, block_size, 576], block_tables, topk_indices i32[T, topk]
+    """
+    host: HostBatch
+    arrays: dict[str, jax.Array]
+
+    @property
+    def spec(self) -> Spec:
+        return self.host.spec
+
+
+def build_arrays(host: HostBatch, key: jax.Array) -> Batch:
+    s = host.spec
+    dt = s.jnp_dtype
+    kq, kk, kv = jax.random.split(key, 3)
+    normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dt)
+    T = host.num_tokens
+    arrays: dict[str, jax.Array] = {}
+    if s.kind == "prefill":
+        arrays["q"] = normal(kq, (T, s.num_q_heads, s.head_dim))
+        arrays["k"] = normal(kk, (T, s.num_kv_heads, s.head_dim))
+        arrays["v"] = normal(kv, (T, s.num_kv_heads, s.head_dim))
+        arrays["cu_seqlens"] = jnp.asarray(host.cu_query_lens, jnp.int32)
+    elif s.kind in ("decode", "ragged"):
+        cache_shape = (host.num_pages, s.block_size, s.num_kv_heads, s.head_dim)
+        arrays["q"] = normal(kq, (T, s.num_q_heads, s.head_dim))
+        arrays["k_cache"] = normal(kk, cache_shape)
+        arrays["v_cache"] = normal(kv, cache_shape)
+        arrays["block_tables"] = jnp.asarray(host.block_tables)
+        if s.kind == "decode":
+            arrays["context_lens"] = jnp.asarray(host.seq_lens, jnp.int32)
+        else:
+            arrays["seq_lens"] = jnp.asarray(host.seq_lens, jnp.int32)
+            arrays["cu_query_lens"] = jnp.asarray(host.cu_query_lens, jnp.int32)
+    elif s.kind == "sparse":
+        arrays["q"] = normal(kq, (T, s.num_q_heads, s.head_dim))
+        arrays["kv_cache"] = normal(kk, (host.num_pages, s.block_size, s.head_dim))
+        arrays["block_tables"] = jnp.asarray(host.block_tables)
+        arrays["topk_indices"] = jnp.asarray(host.topk_indices)
+    else:
+        raise ValueError(f"unknown kind {s.kind!r}")
+    return Batch(host, arrays)
+
+
+def num_input_sets(host: HostBatch, l2_bytes: int = L2_BYTES, max_sets: int = 32) -> int:
+    """1 when the inputs overflow L2; otherwise enough sets (≥ 2) that one round over them moves ≥ 2× L2."""
+    size = max(1, host.input_bytes())
+    if size >= l2_bytes:
+        return 1
+    return int(min(max_sets, max(2, math.ceil(2 * l2_bytes / size))))
+
+
+def describe(host: HostBatch) -> str:
+    s = host.spec
+    return (f"{s.id}: {s.what}; B={host.num_seqs} T={host.num_tokens} Hq={s.num_q_heads} Hkv={s.num_kv_heads} "
+            f"D={s.head_dim} {s.dtype}" + (f" pages={host.num_pages}x{s.block_size}" if host.paged else ""))

@@ -1,0 +1,275 @@
+"""Safe mode: ``checked(kernel)`` verifies the batch DATA (lengths, tables, indices) before the kernel runs.
+
+The kernels validate shapes and dtypes at trace time, always. Values they cannot check for free: a ``cu_seqlens``
+that decreases, a request longer than the static ``max_seqlen`` (silently truncated), a block-table entry past the
+page pool (an out-of-bounds read on the GPU), a top-k index past the request's keys. ``checked`` wraps one of the
+four public kernels in a function of the same signature that first runs those rules as
+:mod:`jax.experimental.checkify` checks inside a small jitted program, raises a readable error naming the argument
+and the offending request / index, and only then calls the untouched kernel. Nothing changes when you do not use it
+(zero cost when off); with it, each call pays one extra tiny launch and a host sync: a debug mode, not a hot path.
+
+Rules (``B`` requests, ``T`` packed rows, ``bs`` = block_size; the kernel's static maxima in brackets):
+
+* ``cu_seqlens`` / ``cu_query_lens``: ``[0] == 0``, non-decreasing, ``[-1] <= T``; each length ``<=`` the static
+  maximum (``max_seqlen`` / ``max_query_len``).
+* ``context_lens`` / ``seq_lens``: ``>= 0``; ``q_len <= seq_len`` (ragged paged attention).
+* ``block_tables``: wide enough (``cdiv(len, bs) <= max_blocks``) and entries ``[b, :cdiv(len, bs)]`` in
+  ``[0, num_blocks)``. Entries past a request's last page are never read, so they may hold anything.
+* ``topk_indices`` (sparse MLA, real tokens only): ``>= -1``; ``< seq_lens[request]`` when the checked wrapper gets
+  the optional ``seq_lens=`` keyword (i32[num_seqs], sparse only: the kernel itself has no such argument), else
+  ``< max_blocks * bs`` and the page each valid index lands on in ``[0, num_blocks)``.
+
+The error is :class:`CheckError`, a ``ValueError``; checkify reports the first failing rule in the order above.
+
+Example::
+
+    >>> from pallas_attn import varlen_attention
+    >>> from pallas_attn.checks import checked
+    >>> safe_varlen = checked(varlen_attention)
+    >>> cu = jnp.array([0, 6, 4], jnp.int32)              # decreasing: request 1 has length -2
+    >>> safe_varlen(q, k, v, cu, max_seqlen=8)
+    CheckError: varlen_attention: cu_seqlens must be non-decreasing; request 1 has cu_seqlens[1]=6 >
+    cu_seqlens[2]=4 (failed at ...)
+
+Inside your own ``jax.jit``: the checks cannot throw from a traced function, so they are emitted as plain
+``checkify.check`` calls and the kernel runs only when they pass (``lax.cond``; otherwise it returns zeros, so a bad
+page id never reaches the GPU). Functionalize the outer function and throw yourself::
+
+    >>> err, out = checkify.checkify(jax.jit(lambda *a: safe_varlen(*a, max_seqlen=8)))(q, k, v, cu)
+    >>> err.throw()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from pallas_attn.decode import paged_decode_attention
+from pallas_attn.paged import paged_attention
+from pallas_attn.prefill import varlen_attention
+from pallas_attn.sparse import sparse_mla_attention
+
+
+class CheckError(ValueError):
+    """A data rule of :func:`checked` failed; the message names the argument and the offending request / index."""
+
+
+# ------------------------------------------------------------------------------------------------ rule helpers
+# Each helper checks one rule over a vector and returns a scalar bool "it holds" (for the lax.cond gate). The
+# first offending position is found with argmax and formatted into the message by checkify.
+
+
+def _first(bad):
+    """Index of the first True of ``bad`` (any rank; a flat index for rank > 1)."""
+    return jnp.argmax(bad.reshape(-1)).astype(jnp.int32)
+
+
+def _require(bad, msg: str, **fmt) -> jax.Array:
+    """``checkify.check(not any(bad), msg)``; ``fmt`` values are gathered at the first bad position."""
+    ok = ~jnp.any(bad)
+    checkify.check(ok, msg, **fmt)
+    return ok
+
+
+def _check_cu(name: str, cu, num_tokens: int, max_len: int | None) -> tuple[jax.Array, jax.Array]:
+    """``cu`` i32[B + 1]: starts at 0, non-decreasing, ends <= num_tokens, lengths <= max_len. Returns (ok, lens)."""
+    lens = cu[1:] - cu[:-1]  # i32[B]
+    oks = [_require(cu[0] != 0, f"{name} must start at 0; got {name}[0]={{v}}", v=cu[0])]
+    dec = lens < 0
+    b = _first(dec)
+    oks.append(_require(dec, f"{name} must be non-decreasing; request {{b}} has {name}[{{b}}]={{lo}} > "
+                             f"{name}[{{b1}}]={{hi}}", b=b, b1=b + 1, lo=cu[b], hi=cu[b + 1]))
+    oks.append(_require(cu[-1] > num_tokens, f"{name}[-1]={{v}} must be <= num_tokens={num_tokens} (q.shape[0])",
+                        v=cu[-1]))
+    if max_len is not None:
+        arg = "max_seqlen" if name == "cu_seqlens" else "max_query_len"
+        long = lens > max_len
+        b = _first(long)
+        oks.append(_require(long, f"request {{b}} has length {{n}} ({name}[{{b1}}] - {name}[{{b}}]) > "
+                                  f"{arg}={max_len}; the kernel would silently truncate it", b=b, b1=b + 1,
+                            n=lens[b]))
+    return jnp.stack(oks).all(), lens
+
+
+def _check_nonneg(name: str, lens) -> jax.Array:
+    neg = lens < 0
+    b = _first(neg)
+    return _require(neg, f"{name} must be >= 0; {name}[{{b}}]={{v}}", b=b, v=lens[b])
+
+
+def _check_pages(lens, block_tables, num_blocks: int, block_size: int, len_name: str) -> jax.Array:
+    """Every page request b uses (``cdiv(lens[b], block_size)``) fits the table and is in ``[0, num_blocks)``."""
+    max_blocks = block_tables.shape[1]
+    pages = (jnp.maximum(lens, 0) + block_size - 1) // block_size  # i32[B]
+    wide = pages > max_blocks
+    b = _first(wide)
+    ok_wide = _require(wide, f"block_tables is too narrow: request {{b}} has {len_name}={{n}}, which needs "
+                             f"{{p}} pages of block_size={block_size}, but max_blocks={max_blocks}",
+                       b=b, n=lens[b], p=pages[b])
+    used = jnp.arange(max_blocks)[None, :] < pages[:, None]  # bool[B, max_blocks]
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    i = _first(bad)
+    b, p = i // max_blocks, i % max_blocks
+    ok_range = _require(bad, f"block_tables[{{b}}, {{p}}]={{v}} is not a page id in [0, num_blocks={num_blocks}) "
+                             f"but request {{b}} uses page {{p}} ({len_name}={{n}}, block_size={block_size})",
+                        b=b, p=p, v=block_tables[b, p], n=lens[b])
+    return ok_wide & ok_range
+
+
+# ------------------------------------------------------------------------------------------ per-kernel rules
+# Each takes the bound arguments (a dict) and returns a scalar bool: all rules hold.
+
+
+def _varlen_rules(a) -> jax.Array:
+    ok, _ = _check_cu("cu_seqlens", a["cu_seqlens"], a["q"].shape[0], a["max_seqlen"])
+    return ok
+
+
+def _decode_rules(a) -> jax.Array:
+    ctx, k_cache = a["context_lens"], a["k_cache"]
+    return (_check_nonneg("context_lens", ctx)
+            & _check_pages(ctx, a["block_tables"], k_cache.shape[0], k_cache.shape[1], "context_lens"))
+
+
+def _paged_rules(a) -> jax.Array:
+    seq_lens, k_cache = a["seq_lens"], a["k_cache"]
+    ok, q_lens = _check_cu("cu_query_lens", a["cu_query_lens"], a["q"].shape[0], a["max_query_len"])
+    ok &= _check_nonneg("seq_lens", seq_lens)
+    over = q_lens > seq_lens
+    b = _first(over)
+    ok &= _require(over, "request {b} has q_len={n} new tokens > seq_lens[{b}]={s} keys (its new tokens must "
+                         "already be in the cache)", b=b, n=q_lens[b], s=seq_lens[b])
+    return ok & _check_pages(seq_lens, a["block_tables"], k_cache.shape[0], k_cache.shape[1], "seq_lens")
+
+
+def _sparse_rules(a) -> jax.Array:
+    q, kv_cache, tables, topk = a["q"], a["kv_cache"], a["block_tables"], a["topk_indices"]
+    num_tokens = q.shape[0]
+    num_blocks, block_size = kv_cache.shape[:2]
+    num_seqs, max_blocks = tables.shape
+    cu, seq_lens = a["cu_query_lens"], a["seq_lens"]
+    ok = jnp.bool_(True)
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    if cu is None:
+        req = tok  # one token per request
+    else:
+        ok &= _check_cu("cu_query_lens", cu, num_tokens, None)[0]
+        req = jnp.searchsorted(cu, tok, side="right").astype(jnp.int32) - 1
+        req = jnp.where(tok < cu[-1], jnp.clip(req, 0, num_seqs - 1), -1)  # -1: padding token, never read
+    real = (req >= 0)[:, None]  # bool[T, 1]
+    req_safe = jnp.maximum(req, 0)
+    topk_len = topk.shape[1]
+
+    def at(bad):  # (token, slot) of the first bad entry
+        i = _first(bad)
+        return i // topk_len, i % topk_len
+
+    bad = real & (topk < -1)
+    t, j = at(bad)
+    ok &= _require(bad, "topk_indices[{t}, {j}]={v} must be >= 0, or -1 for an unused slot", t=t, j=j, v=topk[t, j])
+    valid = real & (topk >= 0)
+    if seq_lens is not None:
+        ok &= _check_nonneg("seq_lens", seq_lens)
+        ok &= _check_pages(seq_lens, tables, num_blocks, block_size, "seq_lens")
+        limit = seq_lens[req_safe][:, None]  # i32[T, 1]
+        bad = valid & (topk >= limit)
+        t, j = at(bad)
+        ok &= _require(bad, "topk_indices[{t}, {j}]={v} must be < seq_lens[{b}]={n} (token {t} belongs to "
+                            "request {b})", t=t, j=j, v=topk[t, j], b=req_safe[t], n=seq_lens[req_safe[t]])
+    else:
+        capacity = max_blocks * block_size
+        bad = valid & (topk >= capacity)
+        t, j = at(bad)
+        ok &= _require(bad, f"topk_indices[{{t}}, {{j}}]={{v}} must be < max_blocks * block_size = {capacity} "
+                            f"(pass seq_lens= to check against each request's length)", t=t, j=j, v=topk[t, j])
+        page_idx = jnp.clip(topk // block_size, 0, max_blocks - 1)
+        page = jnp.take_along_axis(tables[req_safe], page_idx, axis=1)  # i32[T, topk]
+        bad = valid & (topk < capacity) & ((page < 0) | (page >= num_blocks))
+        t, j = at(bad)
+        ok &= _require(bad, f"topk_indices[{{t}}, {{j}}]={{v}} lands on block_tables[{{b}}, {{p}}]={{g}}, not a "
+                            f"page id in [0, num_blocks={num_blocks})", t=t, j=j, v=topk[t, j], b=req_safe[t],
+                       p=page_idx[t, j], g=page[t, j])
+    return ok
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    rules: Callable  # bound arguments -> scalar bool (emits checkify.check calls)
+    arrays: tuple[str, ...]  # traced arguments; every other argument is static
+    extra: tuple[str, ...] = ()  # keyword arguments of the wrapper only (not passed to the kernel)
+
+
+_SPECS: dict[Callable, _Spec] = {
+    varlen_attention: _Spec(_varlen_rules, ("q", "k", "v", "cu_seqlens")),
+    paged_decode_attention: _Spec(_decode_rules, ("q", "k_cache", "v_cache", "block_tables", "context_lens")),
+    paged_attention: _Spec(_paged_rules, ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_query_lens")),
+    sparse_mla_attention: _Spec(_sparse_rules, ("q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens"),
+                                extra=("seq_lens",)),
+}
+
+
+# ----------------------------------------------------------------------------------------------- the wrapper
+
+
+@functools.partial(jax.jit, static_argnames=("fn", "statics"))
+def _run_checks(arrays: dict, *, fn: Callable, statics: tuple):
+    """The jitted check program: ``(checkify error, ok)``; the kernel is not part of it."""
+    return checkify.checkify(_SPECS[fn].rules)({**arrays, **dict(statics)})
+
+
+def _is_traced(tree) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
+def checked(fn: Callable) -> Callable:
+    """``fn`` (one of the four public kernels) with its data rules checked first; same signature and outputs.
+
+    Args:
+      fn: :func:`~pallas_attn.varlen_attention`, :func:`~pallas_attn.paged_decode_attention`,
+        :func:`~pallas_attn.paged_attention` or :func:`~pallas_attn.sparse_mla_attention`.
+
+    Returns:
+      A function with ``fn``'s signature (plus an optional ``seq_lens=`` keyword, ``i32[num_seqs]``, for the sparse
+      kernel) that raises :class:`CheckError` when the data breaks a rule of this module's docstring and otherwise
+      returns exactly what ``fn`` returns (the same compiled kernel on the same arguments: bit-identical).
+
+    Raises:
+      TypeError: ``fn`` is not one of the four kernels.
+    """
+    spec = _SPECS.get(fn)
+    if spec is None:
+        raise TypeError(f"checked() takes one of {[f.__name__ for f in _SPECS]}; got {fn!r}")
+    name = fn.__name__
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        extra = {k: kwargs.pop(k, None) for k in spec.extra}
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arrays = {k: bound.arguments[k] for k in spec.arrays}
+        arrays.update(extra)
+        statics = tuple(sorted((k, v) for k, v in bound.arguments.items() if k not in spec.arrays))
+        if _is_traced(arrays):  # inside the caller's jit: emit checks, gate the kernel on them
+            ok = spec.rules({**arrays, **dict(statics)})
+            shapes = jax.eval_shape(functools.partial(fn, **kwargs), *args)
+            zeros = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return jax.lax.cond(ok, lambda: fn(*args, **kwargs), zeros)
+        err, _ = _run_checks(arrays, fn=fn, statics=statics)
+        try:
+            err.throw()
+        except checkify.JaxRuntimeError as e:
+            raise CheckError(f"{name}: {e}") from None
+        return fn(*args, **kwargs)
+
+    if spec.extra:
+        params = list(sig.parameters.values())
+        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in spec.extra]
+        wrapper.__signature__ = sig.replace(parameters=params)
+    return wrapper
