@@ -105,3 +105,20 @@ def test_long_compiled_default_config(dtype, rng):
     out = varlen_attention(q, k, v, cu, max_seqlen=4096)
     ref_out = reference.varlen_attention(q, k, v, cu)
     assert_attention_close(out, ref_out, dtype=dtype, valid_rows=sum(lens))
+
+
+def test_batch_invariance_position_and_company(rng):
+    """A request's output is bit-identical alone, among other requests, or at another place in the packed tensor."""
+    lens = [37, 5, 64, 1, 20]
+    q, k, v, cu = _inputs(rng, lens, 8, 2, 64, jnp.bfloat16, pad=0)
+    run = lambda q, k, v, cu: np.asarray(varlen_attention(q, k, v, cu, max_seqlen=64, config=SMALL), np.float32)
+    full = run(q, k, v, cu)
+    lo, hi = int(cu[2]), int(cu[3])  # request 2 (64 tokens)
+    alone = run(q[lo:hi], k[lo:hi], v[lo:hi], jnp.array([0, hi - lo], jnp.int32))
+    np.testing.assert_array_equal(full[lo:hi], alone)
+    order = [2, 0, 4, 1, 3]  # request 2 moves to the front
+    pieces = [slice(int(cu[i]), int(cu[i + 1])) for i in order]
+    cat = lambda x: jnp.concatenate([x[p] for p in pieces])
+    moved_cu = jnp.asarray(np.concatenate([[0], np.cumsum([lens[i] for i in order])]), jnp.int32)
+    moved = run(cat(q), cat(k), cat(v), moved_cu)
+    np.testing.assert_array_equal(full[lo:hi], moved[: hi - lo])
