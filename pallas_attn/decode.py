@@ -109,19 +109,7 @@ def _decode_call(q, k_cache, v_cache, block_tables, context_lens, *, scale, num_
 
 # ------------------------------------------------------------------------------------------- public function
 def _validate(q, k_cache, v_cache, block_tables, context_lens):
-    validation.check_rank("q", q, 3, "[num_seqs, num_q_heads, head_dim]")
-    validation.check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
-    validation.check_float("q", q)
-    validation.check_same_dtype(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
-    validation.check_shape("v_cache", v_cache, k_cache.shape, "k_cache.shape")
-    if k_cache.shape[3] != q.shape[2]:
-        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q head_dim {q.shape[2]}; "
-                         f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
-    validation.check_head_dim("q", q.shape[2])
-    validation.check_gqa(q.shape[1], k_cache.shape[2])
-    validation.check_block_size(k_cache.shape[1])
-    validation.check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
-    validation.check_int32("block_tables", block_tables)
+    validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_seqs, num_q_heads, head_dim]")
     validation.check_rank("context_lens", context_lens, 1, "i32[num_seqs]")
     validation.check_int32("context_lens", context_lens)
     validation.check_shape("context_lens", context_lens, (q.shape[0],), "i32[num_seqs] with num_seqs = q.shape[0]")

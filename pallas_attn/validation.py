@@ -57,3 +57,20 @@ def check_static_positive(name: str, value) -> int:
     if isinstance(value, (jnp.ndarray, np.ndarray)) or not isinstance(value, (int, np.integer)) or value < 0:
         raise TypeError(f"{name} must be a static Python int >= 0 (a bucketed maximum); got {value!r}")
     return int(value)
+
+
+def check_paged_kv(q, k_cache, v_cache, block_tables, q_layout: str) -> None:
+    """The rules shared by the paged kernels: q, both caches, their agreement, and the block table."""
+    check_rank("q", q, 3, q_layout)
+    check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    check_float("q", q)
+    check_same_dtype(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
+    check_shape("v_cache", v_cache, k_cache.shape, "k_cache.shape")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q head_dim {q.shape[2]}; "
+                         f"got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    check_head_dim("q", q.shape[2])
+    check_gqa(q.shape[1], k_cache.shape[2])
+    check_block_size(k_cache.shape[1])
+    check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
+    check_int32("block_tables", block_tables)

@@ -1,0 +1,311 @@
+"""More than one GPU: tensor-parallel heads and context-parallel decode, on JAX's own SPMD machinery.
+
+Nothing here is a new kernel. Every public kernel is a pure, jittable function of arrays, so it runs unchanged inside
+:func:`jax.shard_map`; this module only supplies the :class:`~jax.sharding.PartitionSpec` s and the one cross-device
+reduction (the split-KV merge of :func:`pallas_attn.merge_attention_states`, one level up).
+
+**Tensor parallelism** (:func:`tensor_parallel`): a mesh axis of ``n`` devices splits the heads. Each device holds
+``num_kv_heads / n`` KV heads and the ``num_q_heads / n`` query heads of their GQA groups (query head ``h`` reads KV
+head ``h // group``, so contiguous chunks of both line up); per-request metadata (``cu_seqlens``, block tables,
+lengths, top-k indices) is replicated. No communication: each head is computed exactly as on one device.
+
+==========================  =======================================================================================
+kernel                      sharded arguments (others replicated)
+==========================  =======================================================================================
+``varlen_attention``        ``q``, ``k``, ``v`` on axis 1 (heads)
+``paged_decode_attention``  ``q`` on axis 1, ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]`` on axis 2
+``paged_attention``         same as decode
+``sparse_mla_attention``    ``q`` on axis 1 only: one shared latent head, the latent cache is replicated
+==========================  =======================================================================================
+
+Outputs (and LSEs) come back sharded on their head axis, i.e. one global array equal to the single-device result.
+The split-KV heuristic counts ``num_seqs × num_kv_heads`` programs per device, so with ``num_splits=None`` a device
+holding fewer heads may choose more segments than one device would (last-bit differences); pass ``num_splits`` or
+``split_size`` for results bit-identical to the single-device call.
+
+**Context parallelism** (:func:`context_parallel_decode`): the paged K/V of long requests is spread over the devices
+of a mesh axis. Each device has its own page pool (``k_cache [n, num_blocks, block_size, Hkv, D]`` sharded on axis
+0), its own block-table slice covering a contiguous, page-aligned range of each request's logical pages
+(``block_tables [n, num_seqs, max_blocks_local]``) and the number of keys it holds per request (``context_lens [n,
+num_seqs]``). Each device runs :func:`pallas_attn.paged_decode_attention` with ``return_lse=True`` on its slice; the
+partial states are then merged across devices, either by an all-gather of ``(out, lse)`` followed by
+:func:`pallas_attn.merge_attention_states` (``merge="all_gather"``, the default: the same fixed-order fold as
+split-KV) or by a ``pmax``/``psum`` of rescaled numerators and denominators (``merge="psum"``: ``n`` times less
+traffic). A device holding no key of a request returns LSE ``-inf`` for it and is ignored by the merge.
+:func:`split_context_pages` and :func:`shard_paged_cache` build those per-device inputs from one global cache.
+
+Example (2 host devices on CPU: ``XLA_FLAGS=--xla_force_host_platform_device_count=2``; on 2 GPUs as is)::
+
+    import jax, jax.numpy as jnp, numpy as np
+    from pallas_attn import paged_decode_attention, parallel
+    from pallas_attn.testing import make_paged_kv
+
+    mesh = jax.make_mesh((2,), ("tp",))
+    rng = np.random.default_rng(0)
+    ctx = [70, 5, 0]
+    k_cache, v_cache, tables = make_paged_kv(rng, ctx, 16, 4, 64, jnp.float32, table_padding="neg")
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    lens = jnp.asarray(ctx, jnp.int32)
+
+    # tensor parallel: 2 KV heads (and 4 query heads) per device
+    decode_tp = parallel.tensor_parallel(paged_decode_attention, mesh, "tp", num_splits=1)
+    out_tp = decode_tp(q, k_cache, v_cache, tables, lens)        # == paged_decode_attention(q, ..., num_splits=1)
+
+    # context parallel: each request's pages cut in 2 contiguous chunks, one pool per device
+    cp = jax.make_mesh((2,), ("cp",))
+    shards = parallel.split_context_pages(tables, lens, block_size=16, n_dev=2)
+    kc = parallel.shard_paged_cache(k_cache, shards.page_map)    # [2, local_blocks, 16, 4, 64]
+    vc = parallel.shard_paged_cache(v_cache, shards.page_map)
+    out_cp = parallel.context_parallel_decode(q, kc, vc, shards.block_tables, shards.context_lens, mesh=cp)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pallas_attn.decode import paged_decode_attention
+from pallas_attn.paged import paged_attention
+from pallas_attn.prefill import varlen_attention
+from pallas_attn.softmax import merge_attention_states
+from pallas_attn.sparse import sparse_mla_attention
+
+__all__ = ["ContextShards", "context_parallel_decode", "shard_paged_cache", "split_context_pages", "tensor_parallel",
+           "tensor_parallel_specs"]
+
+
+# ----------------------------------------------------------------------------------------- tensor parallelism
+def _placed(mesh: Mesh, arrays, specs):
+    """Move each array to its spec's sharding (a no-op when it already has it). Needed with ``Explicit`` mesh axes
+    (``jax.make_mesh``'s default), where shard_map refuses inputs whose sharding differs from ``in_specs``."""
+    return [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(arrays, specs)]
+
+
+def tensor_parallel_specs(kernel: Callable, axis: str = "tp", *, with_cu_query_lens: bool = False
+                          ) -> tuple[tuple[P, ...], P]:
+    """``(in_specs, out_spec)`` sharding ``kernel``'s heads over mesh axis ``axis`` (its positional arrays, in order).
+
+    ``out_spec`` is the spec of the output and of the LSE (both ``[tokens, heads, ...]``, sharded on axis 1).
+    ``with_cu_query_lens``: sparse MLA only, append a replicated spec for the ``cu_query_lens`` argument.
+    """
+    heads = P(None, axis)  # q / k / v / out [tokens, heads, D], lse [tokens, heads]
+    cache = P(None, None, axis)  # [num_blocks, block_size, heads, D]
+    rep = P()
+    if kernel is varlen_attention:  # q, k, v, cu_seqlens
+        return (heads, heads, heads, rep), heads
+    if kernel is paged_decode_attention:  # q, k_cache, v_cache, block_tables, context_lens
+        return (heads, cache, cache, rep, rep), heads
+    if kernel is paged_attention:  # q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens
+        return (heads, cache, cache, rep, rep, rep), heads
+    if kernel is sparse_mla_attention:  # q, kv_cache, block_tables, topk_indices[, cu_query_lens]
+        return (heads, rep, rep, rep) + ((rep,) if with_cu_query_lens else ()), heads
+    raise ValueError(f"tensor_parallel knows varlen_attention, paged_decode_attention, paged_attention and "
+                     f"sparse_mla_attention; got {kernel!r}")
+
+
+def _check_heads(kernel, args, n: int) -> None:
+    q = args[0]
+    if q.shape[1] % n:
+        raise ValueError(f"num_q_heads={q.shape[1]} must be divisible by the {n} devices of the mesh axis")
+    if kernel in (varlen_attention, paged_decode_attention, paged_attention):
+        hkv = args[1].shape[1] if kernel is varlen_attention else args[1].shape[2]
+        if hkv % n:
+            raise ValueError(f"num_kv_heads={hkv} must be divisible by the {n} devices of the mesh axis "
+                             f"(each device holds num_kv_heads / n KV heads and their query heads)")
+
+
+def tensor_parallel(kernel: Callable, mesh: Mesh, axis: str = "tp", **static_kwargs) -> Callable:
+    """``kernel`` with its heads split over mesh axis ``axis``: same array signature, same result.
+
+    Args:
+      kernel: one of :func:`pallas_attn.varlen_attention`, :func:`pallas_attn.paged_decode_attention`,
+        :func:`pallas_attn.paged_attention`, :func:`pallas_attn.sparse_mla_attention`.
+      mesh: a :class:`jax.sharding.Mesh` holding ``axis`` (other axes, if any, replicate the work).
+      axis: the mesh axis splitting the heads; ``num_q_heads`` and ``num_kv_heads`` must be divisible by its size.
+      static_kwargs: the kernel's keyword arguments (``max_seqlen=``, ``max_query_len=``, ``num_splits=``,
+        ``return_lse=``, ``config=``, ...), fixed for the returned function.
+
+    Returns:
+      A jitted ``f(*arrays)`` taking the kernel's positional arrays (sparse MLA: optionally ``cu_query_lens`` as a
+      fifth one or keyword) and returning its output (and LSE), sharded on the head axis.
+
+    Example:
+      >>> f = tensor_parallel(varlen_attention, jax.make_mesh((2,), ("tp",)), "tp", max_seqlen=128)
+      >>> out = f(q, k, v, cu_seqlens)                       # each device: Hq/2 query heads, Hkv/2 KV heads
+    """
+    return_lse = bool(static_kwargs.get("return_lse", False))
+    n = mesh.shape[axis]
+    call = functools.partial(kernel, **static_kwargs)
+
+    @functools.cache
+    def _mapped(with_cu: bool):
+        in_specs, out_spec = tensor_parallel_specs(kernel, axis, with_cu_query_lens=with_cu)
+        if with_cu:
+            def body(q, kv, bt, idx, cu):
+                return call(q, kv, bt, idx, cu_query_lens=cu)
+        else:
+            body = call
+        # check_vma=False: pallas_call carries no varying-manual-axes rules; every output is sharded anyway.
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                               out_specs=(out_spec, out_spec) if return_lse else out_spec, check_vma=False)
+        return jax.jit(lambda *xs: mapped(*_placed(mesh, xs, in_specs)))
+
+    def run(*arrays, cu_query_lens=None):
+        if cu_query_lens is not None:
+            if kernel is not sparse_mla_attention:
+                raise TypeError("cu_query_lens= as a keyword is sparse_mla_attention's; pass it positionally")
+            arrays = (*arrays, cu_query_lens)
+        _check_heads(kernel, arrays, n)
+        with_cu = kernel is sparse_mla_attention and len(arrays) == 5
+        return _mapped(with_cu)(*arrays)
+
+    run.__name__ = f"tensor_parallel_{getattr(kernel, '__name__', 'kernel')}"
+    run.__doc__ = f"{run.__name__}: heads sharded over mesh axis {axis!r} ({n} devices)."
+    return run
+
+
+# ---------------------------------------------------------------------------------------- context parallelism
+def _merge_psum(out, lse, axis):
+    """Cross-device merge by collectives of size ``out`` (not ``n × out``): ``m = pmax lse``,
+    ``out = psum(w·out) / psum(w)`` with ``w = exp(lse - m)``; empty devices (``lse = -inf``) weigh 0."""
+    m = jax.lax.pmax(lse, axis)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse - m_safe)
+    num = jax.lax.psum(jnp.where((w > 0)[..., None], w[..., None] * out.astype(jnp.float32), 0.0), axis)
+    den = jax.lax.psum(w, axis)
+    empty = den == 0.0
+    merged = num / jnp.where(empty, 1.0, den)[..., None]
+    return merged, jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, den)))
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis", "merge", "softmax_scale", "num_splits", "split_size",
+                                             "return_lse", "interpret", "config"))
+def context_parallel_decode(q, k_cache, v_cache, block_tables, context_lens, *, mesh: Mesh, axis: str = "cp",
+                            merge: str = "all_gather", softmax_scale: float | None = None,
+                            num_splits: int | None = None, split_size: int | None = None, return_lse: bool = False,
+                            interpret: bool | None = None, config=None):
+    """Decode with each request's paged K/V spread over the ``n`` devices of mesh axis ``axis``.
+
+    Args:
+      q: ``[num_seqs, num_q_heads, head_dim]``, replicated (every device needs every query).
+      k_cache, v_cache: ``[n, num_blocks, block_size, num_kv_heads, head_dim]``: device ``d``'s own page pool is
+        ``k_cache[d]`` (shard the arrays on axis 0; :func:`shard_paged_cache` builds them).
+      block_tables: ``i32[n, num_seqs, max_blocks_local]``: row ``[d, b]`` lists, in order, the pages (ids in device
+        ``d``'s pool) of device ``d``'s contiguous slice of request ``b``'s context.
+      context_lens: ``i32[n, num_seqs]`` keys of request ``b`` held on device ``d`` (0 allowed).
+      mesh, axis: the mesh and its context-parallel axis (size ``n``).
+      merge: ``"all_gather"`` (gather ``n`` partial ``(out, lse)``, then :func:`pallas_attn.merge_attention_states`
+        on every device) or ``"psum"`` (``pmax`` + two ``psum`` s of rescaled partials).
+      softmax_scale, num_splits, split_size, interpret, config: passed to each device's
+        :func:`pallas_attn.paged_decode_attention` (split-KV inside a device composes with the split across them).
+      return_lse: also return the global ``f32[num_seqs, num_q_heads]`` LSE.
+
+    Returns:
+      ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype, replicated (and ``lse``). Keys are attended in the
+      order device 0, 1, ...: the result equals single-device attention over the concatenated slices.
+    """
+    n = mesh.shape[axis]
+    for name, x, rank in (("k_cache", k_cache, 5), ("v_cache", v_cache, 5), ("block_tables", block_tables, 3),
+                          ("context_lens", context_lens, 2)):
+        if x.ndim != rank or x.shape[0] != n:
+            raise ValueError(f"{name} must have a leading device axis of size {n} (mesh axis {axis!r}) and rank "
+                             f"{rank}; got {tuple(x.shape)}")
+    if merge not in ("all_gather", "psum"):
+        raise ValueError(f"{merge=} must be 'all_gather' or 'psum'")
+    kernel = functools.partial(paged_decode_attention, softmax_scale=softmax_scale, num_splits=num_splits,
+                               split_size=split_size, return_lse=True, interpret=interpret, config=config)
+
+    def local(q, kc, vc, bt, cl):
+        out, lse = kernel(q, kc[0], vc[0], bt[0], cl[0])  # this device's slice: a partial state
+        if merge == "psum":
+            merged, m_lse = _merge_psum(out, lse, axis)
+        else:
+            outs = jax.lax.all_gather(out, axis)  # [n, num_seqs, Hq, D], device order = key order
+            lses = jax.lax.all_gather(lse, axis)
+            merged, m_lse = merge_attention_states(outs, lses)
+        return merged.astype(q.dtype), m_lse
+
+    shard = P(axis)
+    in_specs = (P(), shard, shard, shard, shard)
+    args = _placed(mesh, (q, k_cache, v_cache, block_tables, context_lens), in_specs)
+    out, lse = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), check_vma=False)(*args)
+    return (out, lse) if return_lse else out
+
+
+# -------------------------------------------------------------------------------------------- host helpers
+@dataclasses.dataclass(frozen=True)
+class ContextShards:
+    """Per-device inputs of :func:`context_parallel_decode`, built by :func:`split_context_pages`.
+
+    block_tables: ``i32[n, num_seqs, max_blocks_local]`` page ids in each device's own pool (padding ``-1``).
+    context_lens: ``i32[n, num_seqs]`` keys of each request held by each device.
+    page_map: ``i32[n, num_blocks_local]`` global page id of each local page (``-1``: unused pool slot).
+    starts: ``i32[n, num_seqs]`` first global position of each device's slice (for checks and reporting).
+    """
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    page_map: np.ndarray
+    starts: np.ndarray
+
+
+def split_context_pages(block_tables, context_lens, block_size: int, n_dev: int) -> ContextShards:
+    """Cut each request's logical pages into ``n_dev`` contiguous, page-aligned chunks (host side, numpy).
+
+    Request ``b`` with ``P = ceil(context_lens[b] / block_size)`` pages gives device ``d`` pages
+    ``[s_d, s_{d+1})`` with chunk sizes as even as possible, the larger chunks first (``np.array_split``); a request of
+    fewer than ``n_dev`` pages leaves the last devices with 0 keys, and context 0 leaves every device empty. Each
+    device's pool holds the distinct global pages its chunks use (shared prefix pages stay shared), in first-use order.
+    """
+    tables = np.asarray(block_tables)
+    lens = np.asarray(context_lens).astype(np.int64)
+    if tables.ndim != 2 or lens.shape != (tables.shape[0],):
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks] and context_lens [num_seqs]; got "
+                         f"{tables.shape} and {lens.shape}")
+    if n_dev < 1:
+        raise ValueError(f"{n_dev=} must be >= 1")
+    num_seqs = tables.shape[0]
+    pages = -(-lens // block_size)
+    if (pages > tables.shape[1]).any():
+        raise ValueError(f"a context needs {int(pages.max())} pages but block_tables has {tables.shape[1]} columns")
+    base, extra = pages // n_dev, pages % n_dev
+    counts = base[None, :] + (np.arange(n_dev)[:, None] < extra[None, :])  # [n, B] pages per device
+    first = np.concatenate([np.zeros((1, num_seqs), np.int64), np.cumsum(counts, 0)[:-1]])  # [n, B] first page
+    starts = first * block_size
+    local_lens = np.clip(lens[None, :] - starts, 0, counts * block_size)
+    width = max(1, int(counts.max(initial=0)))
+    local_tables = np.full((n_dev, num_seqs, width), -1, np.int64)
+    pools = []
+    for d in range(n_dev):
+        ids: dict[int, int] = {}
+        for b in range(num_seqs):
+            for j in range(counts[d, b]):
+                page = int(tables[b, first[d, b] + j])
+                local_tables[d, b, j] = ids.setdefault(page, len(ids))
+        pools.append(list(ids))
+    page_map = np.full((n_dev, max(1, max(len(p) for p in pools))), -1, np.int64)
+    for d, pool in enumerate(pools):
+        page_map[d, : len(pool)] = pool
+    return ContextShards(local_tables.astype(np.int32), local_lens.astype(np.int32), page_map.astype(np.int32),
+                         starts.astype(np.int32))
+
+
+def shard_paged_cache(cache, page_map, *, mesh: Mesh | None = None, axis: str = "cp") -> jax.Array:
+    """Per-device page pools ``[n, num_blocks_local, *cache.shape[1:]]`` copied from one global ``cache``.
+
+    ``page_map`` is :attr:`ContextShards.page_map`; unused slots (``-1``) are zero. With ``mesh``, the result is
+    placed with device ``d``'s pool on device ``d`` of ``axis`` (a test/benchmark helper: a real server writes each
+    device's pool in place).
+    """
+    page_map = jnp.asarray(page_map, jnp.int32)
+    pools = jnp.take(cache, jnp.maximum(page_map, 0), axis=0)
+    valid = (page_map >= 0).reshape(*page_map.shape, *([1] * (cache.ndim - 1)))
+    pools = jnp.where(valid, pools, jnp.zeros((), cache.dtype))
+    if mesh is not None:
+        pools = jax.device_put(pools, NamedSharding(mesh, P(axis)))
+    return pools
