@@ -43,8 +43,7 @@ def query_block_tokens(max_query_len: int, group_padded: int, requested: int | N
     if requested is not None:
         return requested
     target_rows = 32 if max_query_len <= 16 else 64
-    need = config_lib.next_pow2(max(1, min(max_query_len, 16) if max_query_len <= 16 else max_query_len))
-    tokens = max(1, min(need, max(1, target_rows // group_padded)))
+    tokens = min(config_lib.next_pow2(max(1, max_query_len)), max(1, target_rows // group_padded))
     return max(tokens, max(1, MIN_DOT_ROWS // group_padded))
 
 

@@ -68,7 +68,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from pallas_attn.decode import paged_decode_attention
 from pallas_attn.paged import paged_attention
@@ -81,9 +81,11 @@ __all__ = ["ContextShards", "context_parallel_decode", "shard_paged_cache", "spl
 
 
 # ----------------------------------------------------------------------------------------- tensor parallelism
-def _placed(mesh: Mesh, arrays, specs):
+def _placed(mesh: Mesh, axis: str, arrays, specs):
     """Move each array to its spec's sharding (a no-op when it already has it). Needed with ``Explicit`` mesh axes
     (``jax.make_mesh``'s default), where shard_map refuses inputs whose sharding differs from ``in_specs``."""
+    if dict(zip(mesh.axis_names, mesh.axis_types))[axis] != AxisType.Explicit:  # Auto: shard_map reshards itself
+        return list(arrays)
     return [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(arrays, specs)]
 
 
@@ -154,7 +156,7 @@ def tensor_parallel(kernel: Callable, mesh: Mesh, axis: str = "tp", **static_kwa
         # check_vma=False: pallas_call carries no varying-manual-axes rules; every output is sharded anyway.
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                                out_specs=(out_spec, out_spec) if return_lse else out_spec, check_vma=False)
-        return jax.jit(lambda *xs: mapped(*_placed(mesh, xs, in_specs)))
+        return jax.jit(lambda *xs: mapped(*_placed(mesh, axis, xs, in_specs)))
 
     def run(*arrays, cu_query_lens=None):
         if cu_query_lens is not None:
@@ -233,7 +235,7 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, context_lens, *, 
 
     shard = P(axis)
     in_specs = (P(), shard, shard, shard, shard)
-    args = _placed(mesh, (q, k_cache, v_cache, block_tables, context_lens), in_specs)
+    args = _placed(mesh, axis, (q, k_cache, v_cache, block_tables, context_lens), in_specs)
     out, lse = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), check_vma=False)(*args)
     return (out, lse) if return_lse else out
 

@@ -10,8 +10,11 @@ it is a gather. Head dims that are not a power of two are padded inside the kern
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_attn import masks, softmax
 
 
 class Cols:
@@ -71,7 +74,6 @@ def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: 
 
 def dot_precision(dtype):
     """float32 inputs use full-precision (IEEE) dots; bf16/fp16 the tensor-core default."""
-    import jax
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
@@ -84,8 +86,6 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
     load without masks and build no mask; masked tiles mask loads past ``kv_len`` (the table is not read there)
     and apply ``key_pos <= query_pos`` (seed §8: a full rectangle plus a bottom-right triangle).
     """
-    from pallas_attn import masks, softmax
-
     def step(j, state, masked):
         k_pos = j * block_n + jnp.arange(block_n)  # [N]
         k_valid = (k_pos < kv_len) if masked else None

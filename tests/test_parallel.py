@@ -1,0 +1,245 @@
+"""pallas_attn.parallel on 2 devices: tensor-parallel heads for every kernel, context-parallel decode.
+
+pytest runs in a single-device process, so the 2-device checks run in ONE child process started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (CPU, interpret mode); it prints a ``CHECK <name> ok|FAIL``
+line per check and every test below asserts its own line. On a machine with >= 2 GPUs the ``gpu``-marked test runs
+the same checks in-process, compiled.
+
+Standalone: ``XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.test_parallel``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import traceback
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_attn import (DecodeConfig, paged_attention, paged_decode_attention, parallel, reference,
+                         sparse_mla_attention, varlen_attention)
+from pallas_attn.testing import assert_attention_close, make_paged_kv, random_packed, relative_l2
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMALL = DecodeConfig(block_n=16)
+RTOL = 1e-5  # float32: sharded vs single-device (relative L2)
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+def _same(name, got, want, *, exact=True, rtol=RTOL):
+    """got == want bit for bit (exact) or within relative L2 ``rtol``; LSE compared where both finite / both -inf."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    if exact:
+        np.testing.assert_array_equal(got, want, err_msg=f"{name}: not bit-identical")
+    else:
+        fin = np.isfinite(want)
+        np.testing.assert_array_equal(np.isfinite(got), fin, err_msg=f"{name}: finiteness differs")
+        np.testing.assert_array_equal(got[~fin], want[~fin], err_msg=f"{name}: -inf rows differ")
+        err = relative_l2(got[fin], want[fin])
+        assert err < rtol, f"{name}: relative L2 {err:.2e} >= {rtol:.0e}"
+
+
+def _mesh(name):
+    return jax.make_mesh((2,), (name,))
+
+
+def check_tp_varlen(rng):
+    lens = [40, 17, 1, 0]
+    q, cu = random_packed(rng, lens, 8, 64, jnp.float32, pad_to=64)
+    k, _ = random_packed(rng, lens, 4, 64, jnp.float32, pad_to=64)
+    v, _ = random_packed(rng, lens, 4, 64, jnp.float32, pad_to=64)
+    for causal in (True, False):
+        kw = dict(max_seqlen=64, causal=causal, return_lse=True)
+        out, lse = parallel.tensor_parallel(varlen_attention, _mesh("tp"), "tp", **kw)(q, k, v, cu)
+        one, one_lse = varlen_attention(q, k, v, cu, **kw)
+        assert out.sharding.spec[1] == "tp", out.sharding
+        n = int(cu[-1])
+        _same("varlen out", np.asarray(out)[:n], np.asarray(one)[:n])
+        _same("varlen lse", np.asarray(lse)[:n], np.asarray(one_lse)[:n])
+        assert_attention_close(np.asarray(out)[:n], reference.varlen_attention(q, k, v, cu, causal=causal)[:n],
+                               dtype=jnp.float32)
+
+
+def _decode_inputs(rng, ctx, bs=16, hq=8, hkv=4, d=64, dtype=jnp.float32):
+    k_cache, v_cache, tables = make_paged_kv(rng, ctx, bs, hkv, d, dtype)
+    q = jnp.asarray(rng.standard_normal((len(ctx), hq, d), np.float32), dtype)
+    return q, k_cache, v_cache, tables, jnp.asarray(ctx, jnp.int32)
+
+
+def check_tp_decode(rng):
+    args = _decode_inputs(rng, [70, 5, 0, 33])
+    for split, exact in ((dict(num_splits=2), True), (dict(split_size=32), True), (dict(), False)):
+        kw = dict(return_lse=True, config=SMALL, **split)
+        out, lse = parallel.tensor_parallel(paged_decode_attention, _mesh("tp"), "tp", **kw)(*args)
+        one, one_lse = paged_decode_attention(*args, **kw)
+        _same(f"decode out {split}", out, one, exact=exact)
+        _same(f"decode lse {split}", lse, one_lse, exact=exact)
+    assert_attention_close(out, reference.paged_decode_attention(*args), dtype=jnp.float32)
+
+
+def check_tp_paged(rng):
+    seq_lens, q_lens = [40, 30, 20, 0, 7], [1, 6, 20, 0, 7]
+    k_cache, v_cache, tables = make_paged_kv(rng, seq_lens, 16, 4, 64, jnp.float32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((sum(q_lens) + 2, 8, 64), np.float32))
+    args = (q, k_cache, v_cache, tables, jnp.asarray(seq_lens, jnp.int32), cu)
+    for split, exact in ((dict(num_splits=1), True), (dict(num_splits=2), True), (dict(), False)):
+        kw = dict(max_query_len=32, return_lse=True, config=SMALL, **split)
+        out, lse = parallel.tensor_parallel(paged_attention, _mesh("tp"), "tp", **kw)(*args)
+        one, one_lse = paged_attention(*args, **kw)
+        n = int(cu[-1])
+        _same(f"paged out {split}", np.asarray(out)[:n], np.asarray(one)[:n], exact=exact)
+        _same(f"paged lse {split}", np.asarray(lse)[:n], np.asarray(one_lse)[:n], exact=exact)
+    ref = reference.paged_attention(*args[:6])
+    assert_attention_close(np.asarray(out)[:n], np.asarray(ref)[:n], dtype=jnp.float32)
+
+
+def check_tp_sparse(rng):
+    seq_lens, heads, dqk, rank, topk = [30, 7, 64], 8, 80, 64, 24
+    kv, _, bt = make_paged_kv(rng, seq_lens, 4, None, dqk, jnp.float32)
+    idx = np.stack([rng.integers(0, n, topk) for n in seq_lens]).astype(np.int32)
+    idx[0, ::3] = -1
+    idx = jnp.asarray(idx)
+    q = jnp.asarray(rng.standard_normal((3, heads, dqk), np.float32))
+    kw = dict(kv_lora_rank=rank, return_lse=True)
+    f = parallel.tensor_parallel(sparse_mla_attention, _mesh("tp"), "tp", **kw)
+    out, lse = f(q, kv, bt, idx)
+    one, one_lse = sparse_mla_attention(q, kv, bt, idx, **kw)
+    _same("sparse out", out, one, exact=False)
+    _same("sparse lse", lse, one_lse, exact=False)
+    assert_attention_close(out, reference.sparse_mla_attention(q, kv, bt, idx, kv_lora_rank=rank), dtype=jnp.float32)
+    # several tokens per request: cu_query_lens (keyword or positional)
+    cu = jnp.asarray([0, 2, 3], jnp.int32)
+    bt2 = bt[:2]
+    out_kw = f(q, kv, bt2, idx, cu_query_lens=cu)[0]
+    out_pos = f(q, kv, bt2, idx, cu)[0]
+    one = sparse_mla_attention(q, kv, bt2, idx, cu_query_lens=cu, **kw)[0]
+    _same("sparse cu out", out_kw, one, exact=False)
+    _same("sparse cu positional", out_pos, out_kw)
+
+
+def _cp_case(rng, ctx, dtype=jnp.float32, bs=16):
+    q, kc, vc, tables, lens = _decode_inputs(rng, ctx, bs=bs, hq=8, hkv=2, dtype=dtype)
+    shards = parallel.split_context_pages(tables, lens, bs, 2)
+    mesh = _mesh("cp")
+    kc2 = parallel.shard_paged_cache(kc, shards.page_map, mesh=mesh, axis="cp")
+    vc2 = parallel.shard_paged_cache(vc, shards.page_map, mesh=mesh, axis="cp")
+    return (q, kc, vc, tables, lens), shards, (q, kc2, vc2, jnp.asarray(shards.block_tables),
+                                                jnp.asarray(shards.context_lens)), mesh
+
+
+def check_split_context_pages(rng):
+    ctx = [70, 5, 0, 16, 17, 200]
+    tables = np.arange(len(ctx) * 16).reshape(len(ctx), 16)
+    s = parallel.split_context_pages(tables, ctx, 16, 2)
+    np.testing.assert_array_equal(s.context_lens.sum(0), ctx)  # every key on exactly one device
+    np.testing.assert_array_equal(s.context_lens, [[48, 5, 0, 16, 16, 112], [22, 0, 0, 0, 1, 88]])
+    np.testing.assert_array_equal(s.starts[1], [48, 16, 0, 16, 16, 112])
+    for d in range(2):  # local tables map back to the right global pages, in order
+        for b, n in enumerate(ctx):
+            pages = -(-int(s.context_lens[d, b]) // 16)
+            first = int(s.starts[d, b]) // 16
+            np.testing.assert_array_equal(s.page_map[d][s.block_tables[d, b, :pages]], tables[b, first:first + pages])
+    s4 = parallel.split_context_pages(tables, ctx, 16, 4)
+    np.testing.assert_array_equal(s4.context_lens.sum(0), ctx)
+    assert (s4.context_lens[:, 1] == [5, 0, 0, 0]).all()
+
+
+def check_cp_decode(rng):
+    ctx = [70, 5, 0, 16, 17, 200]  # 5 / 16: fit on device 0 (device 1 has 0 keys); 0: both empty
+    glob, shards, local, mesh = _cp_case(rng, ctx)
+    assert (shards.context_lens[1][[1, 2, 3]] == 0).all() and shards.context_lens[1][4] == 1
+    one, one_lse = paged_decode_attention(*glob, num_splits=1, return_lse=True, config=SMALL)
+    ref, ref_lse = reference.paged_decode_attention(*glob, return_lse=True)
+    for merge in ("all_gather", "psum"):
+        for split in (dict(num_splits=1), dict(num_splits=2), dict()):
+            out, lse = parallel.context_parallel_decode(*local, mesh=mesh, axis="cp", merge=merge, return_lse=True,
+                                                        config=SMALL, **split)
+            tag = f"cp {merge} {split}"
+            assert out.dtype == one.dtype and out.shape == one.shape, tag
+            _same(f"{tag} out", out, one, exact=False)
+            _same(f"{tag} lse", lse, one_lse, exact=False)
+            assert_attention_close(out, ref, dtype=jnp.float32)
+            np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+            assert np.all(np.asarray(out)[2] == 0) and np.all(np.asarray(lse)[2] == -np.inf), f"{tag}: context 0"
+
+
+def check_cp_decode_bf16_bs8(rng):
+    ctx = [300, 9, 0, 1]
+    glob, _, local, mesh = _cp_case(rng, ctx, dtype=jnp.bfloat16, bs=8)
+    out = parallel.context_parallel_decode(*local, mesh=mesh, axis="cp", config=SMALL)
+    assert out.dtype == jnp.bfloat16
+    assert_attention_close(out, reference.paged_decode_attention(*glob), dtype=jnp.bfloat16)
+    one = paged_decode_attention(*glob, config=SMALL)
+    assert relative_l2(out, one) < 1e-2
+
+
+CHECKS = {f.__name__.removeprefix("check_"): f for f in [
+    check_tp_varlen, check_tp_decode, check_tp_paged, check_tp_sparse, check_split_context_pages, check_cp_decode,
+    check_cp_decode_bf16_bs8]}
+
+
+def run_checks(names=None) -> int:
+    """Run the checks in this process (needs >= 2 devices); one ``CHECK name ok|FAIL`` line each; # failures."""
+    assert len(jax.devices()) >= 2, f"needs 2 devices, have {jax.devices()}"
+    failures = 0
+    for name in names or CHECKS:
+        try:
+            CHECKS[name](np.random.default_rng(zlib.crc32(name.encode())))
+            print(f"CHECK {name} ok", flush=True)
+        except Exception:  # report every check, not just the first failure
+            failures += 1
+            print(f"CHECK {name} FAIL\n{traceback.format_exc()}", flush=True)
+    return failures
+
+
+# ------------------------------------------------------------------------------------------------ the tests
+@pytest.fixture(scope="module")
+def child_run():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
+    env.pop("PALLAS_ATTN_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "tests.test_parallel"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    return proc
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_two_host_devices(child_run, name):
+    lines = child_run.stdout.splitlines()
+    status = [line for line in lines if line.startswith(f"CHECK {name} ")]
+    assert status, f"check {name} did not report (rc={child_run.returncode}):\n{child_run.stdout}\n{child_run.stderr}"
+    assert status[0] == f"CHECK {name} ok", child_run.stdout
+
+
+def test_child_exit_code(child_run):
+    assert child_run.returncode == 0, child_run.stdout + child_run.stderr
+
+
+@pytest.mark.gpu
+def test_two_gpus_in_process():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs >= 2 devices")
+    assert run_checks() == 0
+
+
+def test_rejects_bad_inputs():
+    """Single-device, host-side argument checks."""
+    with pytest.raises(ValueError, match="tensor_parallel knows"):
+        parallel.tensor_parallel_specs(reference.varlen_attention)
+    with pytest.raises(ValueError, match="columns"):
+        parallel.split_context_pages(np.zeros((1, 2), np.int32), [40], 16, 2)
+    mesh = jax.make_mesh((1,), ("tp",))
+    f = parallel.tensor_parallel(paged_decode_attention, mesh, "tp")
+    assert f.__name__ == "tensor_parallel_paged_decode_attention"
+
+
+if __name__ == "__main__":
+    sys.exit(1 if run_checks(sys.argv[1:] or None) else 0)
