@@ -76,8 +76,8 @@ from pallas_attn.prefill import varlen_attention
 from pallas_attn.softmax import merge_attention_states
 from pallas_attn.sparse import sparse_mla_attention
 
-__all__ = ["ContextShards", "context_parallel_decode", "shard_paged_cache", "split_context_pages", "tensor_parallel",
-           "tensor_parallel_specs"]
+__all__ = ["ContextShards", "context_parallel_decode", "cross_device_merge", "shard_paged_cache", "split_context_pages",
+           "tensor_parallel", "tensor_parallel_specs"]
 
 
 # ----------------------------------------------------------------------------------------- tensor parallelism
@@ -173,12 +173,23 @@ def tensor_parallel(kernel: Callable, mesh: Mesh, axis: str = "tp", **static_kwa
 
 
 # ---------------------------------------------------------------------------------------- context parallelism
-def _merge_psum(out, lse, axis):
-    """Cross-device merge by collectives of size ``out`` (not ``n × out``): ``m = pmax lse``,
-    ``out = psum(w·out) / psum(w)`` with ``w = exp(lse - m)``; empty devices (``lse = -inf``) weigh 0."""
+def cross_device_merge(out, lse, axis: str, *, merge: str = "all_gather"):
+    """Merge partial attention states held by the devices of mesh axis ``axis`` (call inside ``shard_map``).
+
+    Each device passes its ``out [..., D]`` (normalised over its own keys) and ``lse [...]`` (``-inf``: no key);
+    every device gets the merged ``(out float32, lse)``, as if one device had attended to all keys, device 0's first.
+
+    ``merge="all_gather"``: gather the ``n`` states and fold them with :func:`pallas_attn.merge_attention_states`
+    (the split-KV reduction: fixed device order). ``merge="psum"``: ``m = pmax(lse)``, ``w = exp(lse - m)``,
+    ``out = psum(w·out) / psum(w)``, ``lse = m + log psum(w)``: collectives of one state, not ``n``.
+    """
+    if merge == "all_gather":
+        return merge_attention_states(jax.lax.all_gather(out, axis), jax.lax.all_gather(lse, axis))
+    if merge != "psum":
+        raise ValueError(f"{merge=} must be 'all_gather' or 'psum'")
     m = jax.lax.pmax(lse, axis)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    w = jnp.exp(lse - m_safe)
+    w = jnp.exp(lse - m_safe)  # 0 on a device without keys
     num = jax.lax.psum(jnp.where((w > 0)[..., None], w[..., None] * out.astype(jnp.float32), 0.0), axis)
     den = jax.lax.psum(w, axis)
     empty = den == 0.0
@@ -225,12 +236,7 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, context_lens, *, 
 
     def local(q, kc, vc, bt, cl):
         out, lse = kernel(q, kc[0], vc[0], bt[0], cl[0])  # this device's slice: a partial state
-        if merge == "psum":
-            merged, m_lse = _merge_psum(out, lse, axis)
-        else:
-            outs = jax.lax.all_gather(out, axis)  # [n, num_seqs, Hq, D], device order = key order
-            lses = jax.lax.all_gather(lse, axis)
-            merged, m_lse = merge_attention_states(outs, lses)
+        merged, m_lse = cross_device_merge(out, lse, axis, merge=merge)
         return merged.astype(q.dtype), m_lse
 
     shard = P(axis)
