@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# GPU session, part 1: the whole test suite compiled on the GPU (JSON-able log under $OUT).
+# GPU session, part 1: the whole test suite compiled on the GPU. Verbose, so every test's name and verdict reach
+# $OUT/pytest.log as it finishes, even if the time limit cuts the run before pytest's summary.
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/pytest.log"
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())" >> "$OUT/pytest.log"
-timeout "${1:-400}" python3 -m pytest tests -q -p no:cacheprovider -n 8 --ignore=tests/test_benchmarks_smoke.py \
-  --ignore=tests/test_demo.py --ignore=tests/test_notebooks.py "${@:2}" 2>&1 | tee -a "$OUT/pytest.log" | tail -40
+timeout "${1:-400}" python3 -m pytest tests -v -rfE -p no:cacheprovider -n 8 --timeout 150 \
+  --ignore=tests/test_benchmarks_smoke.py --ignore=tests/test_demo.py --ignore=tests/test_notebooks.py \
+  --ignore=tests/test_parallel.py "${@:2}" >> "$OUT/pytest.log" 2>&1
+echo "pytest exit: $?"; grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -30; tail -3 "$OUT/pytest.log"
