@@ -52,7 +52,8 @@ def _query_blocks(cu_query_lens, block_q: int, num_blocks: int):
     q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
     cu_blocks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + block_q - 1) // block_q)])
     idx = jnp.arange(num_blocks, dtype=jnp.int32)
-    req = jnp.searchsorted(cu_blocks, idx, side="right").astype(jnp.int32) - 1
+    # compare_all: one small fusion; the default binary search is a while loop (a launch per step on GPU).
+    req = jnp.searchsorted(cu_blocks, idx, side="right", method="compare_all").astype(jnp.int32) - 1
     used = idx < cu_blocks[-1]
     req_safe = jnp.clip(req, 0, q_lens.shape[0] - 1)
     first = (idx - cu_blocks[req_safe]) * block_q

@@ -173,7 +173,7 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
         token_req = jnp.arange(num_tokens, dtype=jnp.int32)
     else:
         tok = jnp.arange(num_tokens, dtype=jnp.int32)
-        token_req = jnp.searchsorted(cu_query_lens, tok, side="right").astype(jnp.int32) - 1
+        token_req = jnp.searchsorted(cu_query_lens, tok, side="right", method="compare_all").astype(jnp.int32) - 1
         token_req = jnp.where(tok < cu_query_lens[-1], token_req, -1)
     cfg = config or config_lib.default_sparse_config(q.shape[1])
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
