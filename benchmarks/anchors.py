@@ -325,6 +325,11 @@ def _prepare_jnp_sparse(batches: list[Batch], options: Options) -> Prepared:
     return Prepared(fn, args, identity, note="gather + dense")
 
 
+def _lazy_seed_triton(batches: list[Batch], options: Options) -> Prepared:
+    from benchmarks.seed_triton import prepare_seed_triton  # imports triton only when this anchor runs
+    return prepare_seed_triton(batches, options)
+
+
 # ---------------------------------------------------------------------------------------------- registry
 def _ids(*ids):
     return lambda s: s.id in ids
@@ -338,4 +343,5 @@ ANCHORS: list[Impl] = [
     Impl("jax_pallas_decode", _ids("D1", "D2"), _prepare_jax_decode),
     Impl("jax_pallas_paged", _ids("D1", "D2", "V1"), _prepare_jax_paged),
     Impl("jnp", lambda s: not s.id.startswith("split-"), _prepare_jnp),
+    Impl("seed_triton", _ids("P1", "P2"), _lazy_seed_triton),
 ]
