@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
 
 MIN_DOT_ROWS = 16
+SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -47,10 +48,18 @@ def query_block_tokens(max_query_len: int, group_padded: int, requested: int | N
     return max(tokens, max(1, MIN_DOT_ROWS // group_padded))
 
 
-def _query_blocks(cu_query_lens, block_q: int, num_blocks: int):
-    """Map each of the static ``num_blocks`` query blocks to ``(request, first local token)``; -1 past the end."""
+def _query_blocks(cu_query_lens, block_q: int, num_blocks: int, query_class: str | None = None):
+    """Map each of the static ``num_blocks`` query blocks to ``(request, first local token)``; -1 past the end.
+
+    ``query_class`` "short" (``q_len <= SHORT_QUERY_LEN``) or "long" keeps only that class's requests (the others get
+    no block); None keeps all.
+    """
     q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
-    cu_blocks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + block_q - 1) // block_q)])
+    blocks = (q_lens + block_q - 1) // block_q
+    if query_class is not None:
+        short = q_lens <= SHORT_QUERY_LEN
+        blocks = jnp.where(short if query_class == "short" else ~short, blocks, 0)
+    cu_blocks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks)])
     idx = jnp.arange(num_blocks, dtype=jnp.int32)
     # compare_all: one small fusion; the default binary search is a while loop (a launch per step on GPU).
     req = jnp.searchsorted(cu_blocks, idx, side="right", method="compare_all").astype(jnp.int32) - 1
@@ -72,13 +81,12 @@ def _ragged_kernel(
     q_ref,  # [T * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
-    # outputs
-    o_ref,  # [T * Hq, Dp] (single pass) or [num_splits * T * Hq, Dp] (f32 partials)
-    lse_ref,  # f32[T * Hq] or f32[num_splits * T * Hq]
-    *, num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, group_padded: int,
+    *refs,  # [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o_ref, lse_ref
+    zero_padding: bool, num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, group_padded: int,
     block_q: int, max_blocks: int, block_size: int, block_n: int, num_splits: int, split_size: int | None,
     scale2: float, precision,
 ):
+    o_ref, lse_ref = refs[-2:]  # [T * Hq, Dp] or [num_splits * T * Hq, Dp] (f32 partials); f32[...] LSE
     p, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = num_q_heads // num_kv_heads
     cols = tiles.Cols(head_dim, q_ref.shape[-1])
@@ -115,6 +123,9 @@ def _ragged_kernel(
         tiles.store_rows(o_ref, out_base + q_rows, cols, out, row_valid)
         tiles.store_vector(lse_ref, out_base + q_rows, lse, row_valid)
 
+    if not zero_padding:  # a later pass: the first one zeroed the padding rows
+        return
+
     @pl.when(req < 0)
     def _zero_padding():  # rows [cu_query_lens[-1], T): zeros and -inf, so they are finite without a second pass
         pad_block = -1 - req
@@ -136,38 +147,55 @@ def _ragged_kernel(
 # -------------------------------------------------------------------------------------------- pallas_call
 def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len, scale, num_splits,
                  split_size, interpret, cfg: config_lib.DecodeConfig):
+    """One launch when every query is short (decode / verification) or ``config.block_q`` is fixed; otherwise two
+    launches into one output — short queries in small tiles, prefill chunks in large ones — so decode rows do not
+    pay for 64-row tiles. The second launch aliases the first one's output and writes only its own rows."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
     group_padded = config_lib.next_pow2(num_q_heads // num_kv_heads)
-    block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
-    num_q_blocks = pl.cdiv(num_tokens, block_q) + num_seqs
     padded = config_lib.next_pow2(head_dim)
     partial = num_splits > 1
     out_rows = (num_splits if partial else 1) * num_tokens * num_q_heads
     cache_rows = num_blocks * block_size * num_kv_heads
-    block_req, block_first = _query_blocks(cu_query_lens, block_q, num_q_blocks)
+    if max_query_len <= SHORT_QUERY_LEN or cfg.block_q is not None:
+        block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
+        passes = [(block_q, pl.cdiv(num_tokens, block_q) + num_seqs, None)]
+    else:
+        short_q = query_block_tokens(SHORT_QUERY_LEN, group_padded, None)
+        long_q = query_block_tokens(max_query_len, group_padded, None)
+        passes = [(short_q, num_seqs * pl.cdiv(SHORT_QUERY_LEN, short_q) + 1, "short"),  # + 1 zeroes padding
+                  (long_q, pl.cdiv(num_tokens, long_q) + num_seqs, "long")]
 
     full = lambda n: pl.BlockSpec((n, padded), lambda *_: (0, 0))
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
-    kernel = functools.partial(
-        _ragged_kernel, num_seqs=num_seqs, num_tokens=num_tokens, num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, group_padded=group_padded, block_q=block_q,
-        max_blocks=max_blocks, block_size=block_size, block_n=cfg.block_n, num_splits=num_splits,
-        split_size=split_size, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype))
-    out, lse = pl.pallas_call(
-        kernel,
-        grid=(num_q_blocks, num_kv_heads, num_splits),
-        in_specs=[vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs), vec(num_seqs * max_blocks),
-                  full(num_tokens * num_q_heads), full(cache_rows), full(cache_rows)],
-        out_specs=[full(out_rows), vec(out_rows)],
-        out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
-                   jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name=f"ragged_paged_d{head_dim}_bs{block_size}_q{block_q}" + ("_split" if partial else ""),
-    )(block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim),
-      k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
+    args = (cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim),
+            k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
+    prev = ()
+    for i, (block_q, num_q_blocks, query_class) in enumerate(passes):
+        block_req, block_first = _query_blocks(cu_query_lens, block_q, num_q_blocks, query_class)
+        kernel = functools.partial(
+            _ragged_kernel, zero_padding=i == 0, num_seqs=num_seqs, num_tokens=num_tokens, num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, group_padded=group_padded, block_q=block_q,
+            max_blocks=max_blocks, block_size=block_size, block_n=cfg.block_n, num_splits=num_splits,
+            split_size=split_size, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype))
+        in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs),
+                    vec(num_seqs * max_blocks), full(num_tokens * num_q_heads), full(cache_rows), full(cache_rows)]
+        if prev:
+            in_specs += [full(out_rows), vec(out_rows)]
+        prev = pl.pallas_call(
+            kernel,
+            grid=(num_q_blocks, num_kv_heads, num_splits),
+            in_specs=in_specs,
+            out_specs=[full(out_rows), vec(out_rows)],
+            out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
+                       jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
+            input_output_aliases={8: 0, 9: 1} if prev else {},
+            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            interpret=interpret,
+            name=f"ragged_paged_d{head_dim}_bs{block_size}_q{block_q}" + ("_split" if partial else ""),
+        )(block_req, block_first, *args, *prev)
+    out, lse = prev
     if not partial:
         return out.reshape(q.shape), lse.reshape(num_tokens, num_q_heads)
     out, lse = softmax.merge_attention_states(out.reshape(num_splits, *q.shape),

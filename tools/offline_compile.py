@@ -47,6 +47,7 @@ def report(fn, args, *, num_warps: int, num_stages: int, label: str) -> list[dic
 
     _modules.clear()
     jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    print(f"{label}: {len(_modules)} pallas_call(s) lowered", flush=True)
     rows = []
     for i, ttir in enumerate(_modules):
         with tempfile.TemporaryDirectory() as tmp:
