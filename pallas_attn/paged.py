@@ -1,4 +1,4 @@
-"""Ragged paged attention: decode, multi-token verification, chunked and fresh prefill in one launch (seed §8, §9).
+"""Ragged paged attention: decode, multi-token verification, chunked and fresh prefill in one call (seed §8, §9).
 
 Request ``b`` brings ``q_len = cu_query_lens[b+1] - cu_query_lens[b]`` new tokens, already written into the paged
 cache as the last ``q_len`` of its ``seq_lens[b]`` keys; ``context_len = seq_lens[b] - q_len``. Query ``i`` sits at
@@ -13,7 +13,10 @@ The grid is ``(q_blocks, num_kv_heads, num_splits)`` with a static number of que
 ``cdiv(num_tokens, block_q) + num_seqs`` (an upper bound: no host sync, no recompilation per batch). A query
 block is ``block_q`` tokens of one request × the whole GQA group (padded to a power of two): those rows are the M
 dimension of every dot, so verification reads each K/V tile once for all its draft tokens and heads. Blocks past
-the batch's last one write zeros into the padding rows and exit.
+the batch's last one write zeros into the padding rows and exit. A batch whose queries are all short (decode,
+verification: ``max_query_len <= 16``) is one launch; with prefill chunks in it, short queries run in one launch
+with small tiles and the chunks in a second with larger ones, writing into the same (aliased) output, so decode rows
+do not pay for prefill-sized tiles.
 
 Split-KV works for every query length (vLLM's unified kernel turns it off as soon as one query is longer than 1):
 long contexts are cut into segments whatever the query length, and merged by
