@@ -62,15 +62,18 @@ class DecodeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SparseConfig:
-    """Top-k sparse MLA: ``block_n`` selected keys per tile, ``block_h`` heads per program (the M dim)."""
+    """Top-k sparse MLA: ``block_n`` selected keys per tile, ``block_h`` heads per program (the M dim),
+    ``value_splits`` programs sharing one token's value dims."""
     block_n: int = 64
     block_h: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    value_splits: int = 1  # >1: programs split the value dims (each recomputes QKᵀ) to relieve registers
 
     def __post_init__(self):
         _check_pow2("block_n", self.block_n, lo=16)
         _check_pow2("block_h", self.block_h, lo=16)
+        _check_pow2("value_splits", self.value_splits, hi=8)
         _check_pow2("num_warps", self.num_warps, hi=16)
 
 

@@ -39,9 +39,11 @@ def _sparse_kernel(
     o_ref,  # [T * H, Dv]
     lse_ref,  # f32[T * H]
     *, num_heads: int, kv_lora_rank: int, rope_dim: int, topk: int, max_blocks: int, block_size: int,
-    block_h: int, block_n: int, scale2: float,
+    block_h: int, block_n: int, value_splits: int, scale2: float,
 ):
     t, hb = pl.program_id(0), pl.program_id(1)
+    vs = pl.program_id(2) if value_splits > 1 else 0
+    value_width = kv_lora_rank // value_splits  # output columns [vs * value_width, (vs + 1) * value_width)
     head = hb * block_h + jnp.arange(block_h)
     row_valid = head < num_heads
     q_rows = jnp.where(row_valid, t * num_heads + head, o_ref.shape[0] + jnp.arange(block_h))
@@ -68,18 +70,32 @@ def _sparse_kernel(
         valid = (pos >= 0) & (req >= 0)
         page = plgpu.load(block_tables_ref.at[req * max_blocks + pos // block_size], mask=valid, other=0)
         slot = jnp.where(valid, page * block_size + pos % block_size, 0)
-        k_nope, k_pe = load_split(kv_ref, slot, valid)  # [N, Dv], [N, rope]; V = k_nope
+        k_nope, k_pe = load_split(kv_ref, slot, valid)  # [N, Dv], [N, rope]
         s = dot(q_nope, k_nope.T)  # [H_blk, N]
         if rope_dim:
             s = s + dot(q_pe, k_pe.T)
         s2 = jnp.where(valid[None, :], s * scale2, -jnp.inf)
-        return softmax.online_softmax_step(state, s2, k_nope, dot)
+        if value_splits == 1:
+            v = k_nope  # V is the latent part of the same rows: one gather serves both dots
+        else:  # this program's slice of the value dims (a second, cache-hot gather of the same rows)
+            v = plgpu.load(kv_ref.at[slot[:, None], value_cols[None, :]], mask=valid[:, None], other=0)
+        return softmax.online_softmax_step(state, s2, v, dot)
 
+    value_cols = vs * value_width + jnp.arange(value_width)  # [Dv / value_splits]
     num_tiles = (req >= 0).astype(jnp.int32) * (topk // block_n)  # a padding token visits no tile
-    state = jax.lax.fori_loop(jnp.int32(0), num_tiles, step, softmax.init_state(block_h, kv_lora_rank))
+    state = jax.lax.fori_loop(jnp.int32(0), num_tiles, step, softmax.init_state(block_h, value_width))
     out, lse = softmax.finalize(state)  # all -1 (or a padding token): zeros and -inf
-    tiles.store_rows(o_ref, q_rows, latent, out, row_valid)
-    tiles.store_vector(lse_ref, q_rows, lse, row_valid)
+    if value_splits == 1:
+        tiles.store_rows(o_ref, q_rows, latent, out, row_valid)
+    else:
+        plgpu.store(o_ref.at[q_rows[:, None], value_cols[None, :]], out.astype(o_ref.dtype), mask=row_valid[:, None])
+
+    if value_splits == 1:
+        tiles.store_vector(lse_ref, q_rows, lse, row_valid)
+    else:
+        @pl.when(vs == 0)  # every value split computes the same LSE
+        def _():
+            tiles.store_vector(lse_ref, q_rows, lse, row_valid)
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
@@ -97,12 +113,12 @@ def _sparse_call(q, kv_cache, block_tables, topk_indices, token_req, *, kv_lora_
     kernel = functools.partial(
         _sparse_kernel, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=dim_qk - kv_lora_rank,
         topk=topk_padded, max_blocks=max_blocks, block_size=block_size, block_h=block_h, block_n=block_n,
-        scale2=scale * softmax.LOG2E)
+        value_splits=cfg.value_splits, scale2=scale * softmax.LOG2E)
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
     mat = lambda n, d: pl.BlockSpec((n, d), lambda *_: (0, 0))
     out, lse = pl.pallas_call(
         kernel,
-        grid=(num_tokens, pl.cdiv(num_heads, block_h)),
+        grid=(num_tokens, pl.cdiv(num_heads, block_h)) + ((cfg.value_splits,) if cfg.value_splits > 1 else ()),
         in_specs=[vec(num_tokens), vec(num_seqs * max_blocks), vec(num_tokens * topk_padded),
                   mat(num_tokens * num_heads, dim_qk), mat(num_blocks * block_size, dim_qk)],
         out_specs=[mat(num_tokens * num_heads, kv_lora_rank), vec(num_tokens * num_heads)],
