@@ -21,6 +21,14 @@ def _check_pow2(name: str, value: int, lo: int = 1, hi: int = 1 << 16) -> None:
         raise ValueError(f"{name}={value} must be a power of two in [{lo}, {hi}]")
 
 
+def _check_launch(cfg) -> None:
+    """The Triton launch parameters every config carries."""
+    _check_pow2("block_n", cfg.block_n, lo=16)
+    _check_pow2("num_warps", cfg.num_warps, hi=16)
+    if cfg.num_stages < 1:
+        raise ValueError(f"num_stages={cfg.num_stages} must be >= 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """Varlen prefill: a tile has ``block_m`` rows = ``block_m // heads_per_program`` tokens × ``heads_per_program``
@@ -33,13 +41,10 @@ class PrefillConfig:
     approx_exp2: bool = True  # compiled only: PTX ex2.approx instead of libdevice exp2f (interpret: exact exp2)
 
     def __post_init__(self):
+        _check_launch(self)
         _check_pow2("block_m", self.block_m, lo=16)
-        _check_pow2("block_n", self.block_n, lo=16)
         if self.heads_per_program is not None:
             _check_pow2("heads_per_program", self.heads_per_program)
-        _check_pow2("num_warps", self.num_warps, hi=16)
-        if self.num_stages < 1:
-            raise ValueError(f"{self.num_stages=} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +57,9 @@ class DecodeConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        _check_pow2("block_n", self.block_n, lo=16)
+        _check_launch(self)
         if self.block_q is not None:
             _check_pow2("block_q", self.block_q)
-        _check_pow2("num_warps", self.num_warps, hi=16)
-        if self.num_stages < 1:
-            raise ValueError(f"{self.num_stages=} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
 
-MIN_DOT_ROWS = 16  # tensor-core dots want M >= 16: a GQA group is padded up to this many rows
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
@@ -76,7 +75,7 @@ def _decode_call(q, k_cache, v_cache, block_tables, context_lens, *, scale, num_
     max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     padded = config_lib.next_pow2(head_dim)
-    rows = max(MIN_DOT_ROWS, config_lib.next_pow2(group))
+    rows = max(tiles.MIN_DOT_ROWS, config_lib.next_pow2(group))
     partial = num_splits > 1
     out_rows = (num_splits if partial else 1) * num_seqs * num_q_heads
     cache_rows = num_blocks * block_size * num_kv_heads
@@ -100,11 +99,7 @@ def _decode_call(q, k_cache, v_cache, block_tables, context_lens, *, scale, num_
         name=f"paged_decode_d{head_dim}_bs{block_size}" + ("_split" if partial else ""),
     )(context_lens, block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
       v_cache.reshape(-1, head_dim))
-    if not partial:
-        return out.reshape(q.shape), lse.reshape(num_seqs, num_q_heads)
-    out, lse = softmax.merge_attention_states(out.reshape(num_splits, *q.shape),
-                                              lse.reshape(num_splits, num_seqs, num_q_heads))
-    return out.astype(q.dtype), lse
+    return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype)
 
 
 # ------------------------------------------------------------------------------------------- public function

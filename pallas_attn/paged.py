@@ -36,7 +36,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
 
-MIN_DOT_ROWS = 16
 SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks
 
 
@@ -48,7 +47,7 @@ def query_block_tokens(max_query_len: int, group_padded: int, requested: int | N
         return requested
     target_rows = 32 if max_query_len <= 16 else 64
     tokens = min(config_lib.next_pow2(max(1, max_query_len)), max(1, target_rows // group_padded))
-    return max(tokens, max(1, MIN_DOT_ROWS // group_padded))
+    return max(tokens, max(1, tiles.MIN_DOT_ROWS // group_padded))
 
 
 def _query_blocks(cu_query_lens, block_q: int, num_blocks: int, query_class: str | None = None):
@@ -199,11 +198,7 @@ def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, 
             name=f"ragged_paged_d{head_dim}_bs{block_size}_q{block_q}" + ("_split" if partial else ""),
         )(block_req, block_first, *args, *prev)
     out, lse = prev
-    if not partial:
-        return out.reshape(q.shape), lse.reshape(num_tokens, num_q_heads)
-    out, lse = softmax.merge_attention_states(out.reshape(num_splits, *q.shape),
-                                              lse.reshape(num_splits, num_tokens, num_q_heads))
-    return out.astype(q.dtype), lse
+    return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype)
 
 
 # ------------------------------------------------------------------------------------------- public function

@@ -64,6 +64,15 @@ def finalize(state):
     return out, lse
 
 
+def merge_split_outputs(out, lse, num_splits: int, shape: tuple, dtype):
+    """The kernels' flat outputs → ``(out [*shape] dtype, lse [*shape[:-1]] f32)``; with ``num_splits > 1`` they
+    are ``num_splits`` float32 partial states, merged here (the second pass of split-KV)."""
+    if num_splits == 1:
+        return out.reshape(shape), lse.reshape(shape[:-1])
+    out, lse = merge_attention_states(out.reshape(num_splits, *shape), lse.reshape(num_splits, *shape[:-1]))
+    return out.astype(dtype), lse
+
+
 @jax.jit
 def merge_attention_states(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Merge attention computed over disjoint key sets (split-KV segments, context-parallel shards).

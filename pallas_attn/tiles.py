@@ -16,13 +16,18 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn import masks, softmax
 
+MIN_DOT_ROWS = 16  # tensor-core dots want M >= 16: GQA groups / short query blocks are padded up to this many rows
+
 
 class Cols:
-    """The ``[padded]`` column vector of a tile and its mask (None when ``head_dim`` is already a power of two)."""
+    """The ``[padded]`` column vector of a tile and its mask (None when ``width`` is already a power of two).
 
-    def __init__(self, head_dim: int, padded: int):
-        self.idx = jnp.arange(padded)
-        self.mask = None if padded == head_dim else (self.idx < head_dim)[None, :]
+    ``offset`` selects a column slice ``[offset, offset + width)`` (MLA: the rope dims, a value slice)."""
+
+    def __init__(self, width: int, padded: int, offset=0):
+        arange = jnp.arange(padded)
+        self.idx = arange if isinstance(offset, int) and offset == 0 else offset + arange
+        self.mask = None if padded == width else (arange < width)[None, :]
 
     def with_rows(self, row_mask):
         """``[R, padded]`` load/store mask from a ``[R]`` row mask (either may be None)."""
