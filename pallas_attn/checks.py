@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from pallas_attn.decode import paged_decode_attention
+from pallas_attn.metadata import token_requests
 from pallas_attn.paged import paged_attention
 from pallas_attn.prefill import varlen_attention
 from pallas_attn.sparse import sparse_mla_attention
@@ -152,7 +153,7 @@ def _sparse_rules(a) -> jax.Array:
     q, kv_cache, tables, topk = a["q"], a["kv_cache"], a["block_tables"], a["topk_indices"]
     num_tokens = q.shape[0]
     num_blocks, block_size = kv_cache.shape[:2]
-    num_seqs, max_blocks = tables.shape
+    max_blocks = tables.shape[1]
     cu, seq_lens = a["cu_query_lens"], a["seq_lens"]
     ok = jnp.bool_(True)
     tok = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -160,8 +161,7 @@ def _sparse_rules(a) -> jax.Array:
         req = tok  # one token per request
     else:
         ok &= _check_cu("cu_query_lens", cu, num_tokens, None)[0]
-        req = jnp.searchsorted(cu, tok, side="right").astype(jnp.int32) - 1
-        req = jnp.where(tok < cu[-1], jnp.clip(req, 0, num_seqs - 1), -1)  # -1: padding token, never read
+        req = token_requests(cu, num_tokens)  # -1: padding token, never read
     real = (req >= 0)[:, None]  # bool[T, 1]
     req_safe = jnp.maximum(req, 0)
     topk_len = topk.shape[1]

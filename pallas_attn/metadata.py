@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 NUM_TOKENS_MIN_BUCKET = 16  # smallest num_tokens bucket: tiny batches share one program
@@ -388,3 +389,11 @@ def _validate_metadata(md: BatchMetadata) -> None:
     if (slots != expected).any():
         bad = int(np.flatnonzero(slots != expected)[0])
         raise ValueError(f"slot_mapping[{bad}]={int(slots[bad])}, the slot formula gives {int(expected[bad])}")
+
+
+def token_requests(cu_query_lens, num_tokens: int):
+    """``i32[num_tokens]``: the request that owns each packed row (``cu_query_lens[b] <= row < cu_query_lens[b+1]``),
+    -1 for padding rows at or past ``cu_query_lens[-1]``. Traceable (jnp); one fusion, no loop."""
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    req = jnp.searchsorted(cu_query_lens, tok, side="right", method="compare_all").astype(jnp.int32) - 1
+    return jnp.where(tok < cu_query_lens[-1], jnp.clip(req, 0, cu_query_lens.shape[0] - 2), -1)

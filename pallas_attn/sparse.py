@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import backend, config as config_lib, softmax, tiles, validation
+from pallas_attn import backend, config as config_lib, metadata, softmax, tiles, validation
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
@@ -48,28 +48,22 @@ def _sparse_kernel(
     row_valid = head < num_heads
     q_rows = jnp.where(row_valid, t * num_heads + head, o_ref.shape[0] + jnp.arange(block_h))
     latent = tiles.Cols(kv_lora_rank, kv_lora_rank)
-    rope_padded = config_lib.next_pow2(rope_dim) if rope_dim else 0
+    rope = tiles.Cols(rope_dim, config_lib.next_pow2(rope_dim), offset=kv_lora_rank) if rope_dim else None
+    value = tiles.Cols(value_width, value_width, offset=vs * value_width)  # this program's output columns
     req = token_req_ref[t]
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
 
     def load_split(ref, rows, row_mask):
-        """``[R, Dv]`` latent part and ``[R, rope]`` rope part of rows (columns Dv.. Dqk)."""
+        """``[R, Dv]`` latent part and ``[R, rope]`` rope part (columns ``Dv..Dqk``) of rows."""
         nope = tiles.load_rows(ref, rows, latent, row_mask)
-        if not rope_dim:
-            return nope, None
-        idx = jnp.arange(rope_padded)
-        col_mask = None if rope_padded == rope_dim else (idx < rope_dim)[None, :]
-        mask = row_mask[:, None] if col_mask is None else row_mask[:, None] & col_mask
-        pe = plgpu.load(ref.at[rows[:, None], kv_lora_rank + idx[None, :]], mask=mask, other=0)
-        return nope, pe
+        return nope, (tiles.load_rows(ref, rows, rope, row_mask) if rope_dim else None)
 
     q_nope, q_pe = load_split(q_ref, q_rows, row_valid & (req >= 0))  # [H_blk, Dv], [H_blk, rope]
 
     def step(j, state):
         pos = plgpu.load(topk_ref.at[t * topk + j * block_n + jnp.arange(block_n)])  # [N]
         valid = (pos >= 0) & (req >= 0)
-        page = plgpu.load(block_tables_ref.at[req * max_blocks + pos // block_size], mask=valid, other=0)
-        slot = jnp.where(valid, page * block_size + pos % block_size, 0)
+        slot = tiles.paged_rows(block_tables_ref, req * max_blocks, pos, block_size, 1, 0, valid)  # [N]
         k_nope, k_pe = load_split(kv_ref, slot, valid)  # [N, Dv], [N, rope]
         s = dot(q_nope, k_nope.T)  # [H_blk, N]
         if rope_dim:
@@ -78,17 +72,13 @@ def _sparse_kernel(
         if value_splits == 1:
             v = k_nope  # V is the latent part of the same rows: one gather serves both dots
         else:  # this program's slice of the value dims (a second, cache-hot gather of the same rows)
-            v = plgpu.load(kv_ref.at[slot[:, None], value_cols[None, :]], mask=valid[:, None], other=0)
+            v = tiles.load_rows(kv_ref, slot, value, valid)
         return softmax.online_softmax_step(state, s2, v, dot)
 
-    value_cols = vs * value_width + jnp.arange(value_width)  # [Dv / value_splits]
     num_tiles = (req >= 0).astype(jnp.int32) * (topk // block_n)  # a padding token visits no tile
     state = jax.lax.fori_loop(jnp.int32(0), num_tiles, step, softmax.init_state(block_h, value_width))
     out, lse = softmax.finalize(state)  # all -1 (or a padding token): zeros and -inf
-    if value_splits == 1:
-        tiles.store_rows(o_ref, q_rows, latent, out, row_valid)
-    else:
-        plgpu.store(o_ref.at[q_rows[:, None], value_cols[None, :]], out.astype(o_ref.dtype), mask=row_valid[:, None])
+    tiles.store_rows(o_ref, q_rows, value, out, row_valid)
 
     if value_splits == 1:
         tiles.store_vector(lse_ref, q_rows, lse, row_valid)
@@ -185,12 +175,8 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     """
     _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_rank)
     num_tokens = q.shape[0]
-    if cu_query_lens is None:
-        token_req = jnp.arange(num_tokens, dtype=jnp.int32)
-    else:
-        tok = jnp.arange(num_tokens, dtype=jnp.int32)
-        token_req = jnp.searchsorted(cu_query_lens, tok, side="right", method="compare_all").astype(jnp.int32) - 1
-        token_req = jnp.where(tok < cu_query_lens[-1], token_req, -1)
+    token_req = (jnp.arange(num_tokens, dtype=jnp.int32) if cu_query_lens is None
+                 else metadata.token_requests(cu_query_lens, num_tokens))
     cfg = config or config_lib.default_sparse_config(q.shape[1])
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = _sparse_call(q, kv_cache, block_tables, topk_indices, token_req, kv_lora_rank=kv_lora_rank,
