@@ -39,7 +39,7 @@ def _sparse_kernel(
     o_ref,  # [T * H, Dv]
     lse_ref,  # f32[T * H]
     *, num_heads: int, kv_lora_rank: int, rope_dim: int, topk: int, max_blocks: int, block_size: int,
-    block_h: int, block_n: int, value_splits: int, scale2: float,
+    block_h: int, block_n: int, value_splits: int, scale2: float, precision,
 ):
     t, hb = pl.program_id(0), pl.program_id(1)
     vs = pl.program_id(2) if value_splits > 1 else 0
@@ -51,7 +51,7 @@ def _sparse_kernel(
     rope = tiles.Cols(rope_dim, config_lib.next_pow2(rope_dim), offset=kv_lora_rank) if rope_dim else None
     value = tiles.Cols(value_width, value_width, offset=vs * value_width)  # this program's output columns
     req = token_req_ref[t]
-    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
 
     def load_split(ref, rows, row_mask):
         """``[R, Dv]`` latent part and ``[R, rope]`` rope part (columns ``Dv..Dqk``) of rows."""
@@ -103,7 +103,8 @@ def _sparse_call(q, kv_cache, block_tables, topk_indices, token_req, *, kv_lora_
     kernel = functools.partial(
         _sparse_kernel, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=dim_qk - kv_lora_rank,
         topk=topk_padded, max_blocks=max_blocks, block_size=block_size, block_h=block_h, block_n=block_n,
-        value_splits=cfg.value_splits, scale2=scale * softmax.LOG2E)
+        value_splits=cfg.value_splits, scale2=scale * softmax.LOG2E,
+        precision=tiles.dot_precision(q.dtype))
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
     mat = lambda n, d: pl.BlockSpec((n, d), lambda *_: (0, 0))
     out, lse = pl.pallas_call(

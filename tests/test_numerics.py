@@ -13,16 +13,25 @@ from pallas_attn import paged_decode_attention, varlen_attention
 from pallas_attn.testing import relative_l2
 
 
-def _dense(q, k, v, causal, dtype):
-    """Dense attention computed in `dtype` end to end: q [L, H, D], k/v [S, H, D] (GQA already expanded)."""
+def _dense(q, k, v, causal, dtype, chunk=2048):
+    """Dense attention computed in `dtype` end to end: q [L, H, D], k/v [S, H, D] (GQA already expanded).
+
+    Query rows go in chunks so the [H, chunk, S] scores fit beside other tests on one GPU (32k x 32k would not)."""
     q, k, v = (x.astype(dtype) for x in (q, k, v))
-    s = jnp.einsum("qhd,khd->hqk", q, k, precision="highest" if dtype == jnp.float32 else None)
-    s = s * jnp.asarray(q.shape[-1] ** -0.5, dtype)
-    if causal:
-        L, S = q.shape[0], k.shape[0]
-        s = jnp.where(jnp.arange(S)[None, :] <= jnp.arange(L)[:, None] + (S - L), s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("hqk,khd->qhd", p, v, precision="highest" if dtype == jnp.float32 else None)
+    precision = "highest" if dtype == jnp.float32 else None
+    L, S = q.shape[0], k.shape[0]
+
+    @jax.jit
+    def rows(q_chunk, start):
+        s = jnp.einsum("qhd,khd->hqk", q_chunk, k, precision=precision)
+        s = s * jnp.asarray(q.shape[-1] ** -0.5, dtype)
+        if causal:
+            q_pos = start + jnp.arange(q_chunk.shape[0]) + (S - L)
+            s = jnp.where(jnp.arange(S)[None, :] <= q_pos[:, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("hqk,khd->qhd", p, v, precision=precision)
+
+    return jnp.concatenate([rows(q[i:i + chunk], i) for i in range(0, L, chunk)])
 
 
 def _assert_within_2x_of_bf16_jnp(out, q, k, v, *, causal):
