@@ -82,6 +82,7 @@ class SparseConfig:
 # Measured winners, keyed by (device kind, head dim). Filled by `pallas-attn bench --sweep` on the H200.
 PREFILL_TABLE: dict[tuple[str, int], PrefillConfig] = {}
 DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {}
+CHUNK_TABLE: dict[tuple[str, int], DecodeConfig] = {}  # paged_attention's prefill-chunk pass
 SPARSE_TABLE: dict[tuple[str, int], SparseConfig] = {}
 
 
@@ -105,6 +106,19 @@ def default_decode_config(head_dim: int, block_size: int, dtype_bytes: int = 2) 
     # H200 sweep 2026-11-30 (bf16 D=128): block_n=128 / 4 warps / 2 stages best on D2 and V1, within 2% on D1.
     block_n = 32 if (padded >= 256 or dtype_bytes >= 4) else 128 if padded <= 128 else 64
     return DecodeConfig(block_n=max(block_n, min(block_size, 128)), num_warps=4, num_stages=2)
+
+
+def default_chunk_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -> DecodeConfig:
+    """The prefill-chunk pass of :func:`pallas_attn.paged_attention` (queries longer than 16 tokens in a mixed
+    batch): compute-bound like prefill, so 8 warps over 128-row query blocks (see ``paged.chunk_rows``); float32
+    and 256-wide heads fall back to 64 rows and 4 warps to stay inside the register file."""
+    padded = next_pow2(head_dim)
+    hit = CHUNK_TABLE.get((backend.device_kind(), padded))
+    if hit is not None:
+        return hit
+    small = padded >= 256 or dtype_bytes >= 4
+    return DecodeConfig(block_n=max(32 if small else 64, min(block_size, 128)), num_warps=4 if small else 8,
+                        num_stages=2 if small else 3)
 
 
 def default_sparse_config(num_heads: int) -> SparseConfig:

@@ -40,14 +40,19 @@ SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chun
 
 
 # ---------------------------------------------------------------------------------------------------- config
-def query_block_tokens(max_query_len: int, group_padded: int, requested: int | None) -> int:
-    """Tokens per query block: the rows (tokens × padded group) make a 16-row tile for decode, up to 32 rows for
-    verification and 64 rows when the batch carries prefill chunks."""
+def query_block_tokens(max_query_len: int, group_padded: int, requested: int | None, target_rows: int = 32) -> int:
+    """Tokens per query block: the rows (tokens × padded group) make a 16-row tile for decode, up to
+    ``target_rows`` rows otherwise (32 for verification, the chunk config's 128 for prefill chunks)."""
     if requested is not None:
         return requested
-    target_rows = 32 if max_query_len <= 16 else 64
     tokens = min(config_lib.next_pow2(max(1, max_query_len)), max(1, target_rows // group_padded))
     return max(tokens, max(1, tiles.MIN_DOT_ROWS // group_padded))
+
+
+def chunk_rows(padded_head_dim: int, dtype_bytes: int) -> int:
+    """Rows (tokens × padded group) of a prefill-chunk query block: 128 as in prefill (each K/V tile read serves
+    twice the rows of a 64-row block), 64 where a 128-row float32 accumulator would spill (float32, 256-wide)."""
+    return 64 if (padded_head_dim >= 256 or dtype_bytes >= 4) else 128
 
 
 def _query_blocks(cu_query_lens, block_q: int, num_blocks: int, query_class: str | None = None):
@@ -148,10 +153,11 @@ def _ragged_kernel(
 
 # -------------------------------------------------------------------------------------------- pallas_call
 def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len, scale, num_splits,
-                 split_size, interpret, cfg: config_lib.DecodeConfig):
+                 split_size, interpret, cfg: config_lib.DecodeConfig, chunk_cfg: config_lib.DecodeConfig):
     """One launch when every query is short (decode / verification) or ``config.block_q`` is fixed; otherwise two
-    launches into one output — short queries in small tiles, prefill chunks in large ones — so decode rows do not
-    pay for 64-row tiles. The second launch aliases the first one's output and writes only its own rows."""
+    launches into one output — short queries in small tiles under ``cfg``, prefill chunks in prefill-sized tiles
+    under ``chunk_cfg`` — so decode rows do not pay for 128-row tiles and chunks do not run at decode intensity.
+    The second launch aliases the first one's output and writes only its own rows."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
@@ -162,24 +168,24 @@ def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, 
     cache_rows = num_blocks * block_size * num_kv_heads
     if max_query_len <= SHORT_QUERY_LEN or cfg.block_q is not None:
         block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
-        passes = [(block_q, pl.cdiv(num_tokens, block_q) + num_seqs, None)]
+        passes = [(block_q, pl.cdiv(num_tokens, block_q) + num_seqs, None, cfg)]
     else:
         short_q = query_block_tokens(SHORT_QUERY_LEN, group_padded, None)
-        long_q = query_block_tokens(max_query_len, group_padded, None)
-        passes = [(short_q, num_seqs * pl.cdiv(SHORT_QUERY_LEN, short_q) + 1, "short"),  # + 1 zeroes padding
-                  (long_q, pl.cdiv(num_tokens, long_q) + num_seqs, "long")]
+        long_q = query_block_tokens(max_query_len, group_padded, chunk_cfg.block_q, chunk_rows(padded, q.dtype.itemsize))
+        passes = [(short_q, num_seqs * pl.cdiv(SHORT_QUERY_LEN, short_q) + 1, "short", cfg),  # + 1 zeroes padding
+                  (long_q, pl.cdiv(num_tokens, long_q) + num_seqs, "long", chunk_cfg)]
 
     full = lambda n: pl.BlockSpec((n, padded), lambda *_: (0, 0))
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
     args = (cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim),
             k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
     prev = ()
-    for i, (block_q, num_q_blocks, query_class) in enumerate(passes):
+    for i, (block_q, num_q_blocks, query_class, pass_cfg) in enumerate(passes):
         block_req, block_first = _query_blocks(cu_query_lens, block_q, num_q_blocks, query_class)
         kernel = functools.partial(
             _ragged_kernel, zero_padding=i == 0, num_seqs=num_seqs, num_tokens=num_tokens, num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, group_padded=group_padded, block_q=block_q,
-            max_blocks=max_blocks, block_size=block_size, block_n=cfg.block_n, num_splits=num_splits,
+            max_blocks=max_blocks, block_size=block_size, block_n=pass_cfg.block_n, num_splits=num_splits,
             split_size=split_size, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype))
         in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs),
                     vec(num_seqs * max_blocks), full(num_tokens * num_q_heads), full(cache_rows), full(cache_rows)]
@@ -193,7 +199,7 @@ def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, 
             out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
                        jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
             input_output_aliases={8: 0, 9: 1} if prev else {},
-            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            compiler_params=plgpu.CompilerParams(num_warps=pass_cfg.num_warps, num_stages=pass_cfg.num_stages),
             interpret=interpret,
             name=f"ragged_paged_d{head_dim}_bs{block_size}_q{block_q}" + ("_split" if partial else ""),
         )(block_req, block_first, *args, *prev)
@@ -214,11 +220,11 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_qu
 
 
 @functools.partial(jax.jit, static_argnames=("max_query_len", "softmax_scale", "num_splits", "split_size",
-                                             "return_lse", "interpret", "config"))
+                                             "return_lse", "interpret", "config", "chunk_config"))
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len: int,
                     softmax_scale: float | None = None, num_splits: int | None = None, split_size: int | None = None,
                     return_lse: bool = False, interpret: bool | None = None,
-                    config: config_lib.DecodeConfig | None = None):
+                    config: config_lib.DecodeConfig | None = None, chunk_config: config_lib.DecodeConfig | None = None):
     """Mixed batch of decode / verification / chunked-prefill / prefill requests over a paged K/V cache.
 
     Args:
@@ -234,7 +240,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       num_splits / split_size: split-KV as in :func:`pallas_attn.paged_decode_attention`, for any ``q_len``.
       return_lse: also return ``f32[num_tokens, num_q_heads]``.
       interpret: None → compiled on GPU, interpreted on CPU.
-      config: :class:`pallas_attn.config.DecodeConfig` (``block_q`` = tokens per query block).
+      config: :class:`pallas_attn.config.DecodeConfig` (``block_q`` = tokens per query block) for decode and
+        verification rows; a fixed ``block_q`` runs the whole batch in one launch with it.
+      chunk_config: the same for prefill chunks (``q_len > 16``) of a mixed batch, which run in a second launch with
+        prefill-sized tiles; default :func:`pallas_attn.config.default_chunk_config`.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``).
@@ -246,14 +255,23 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     """
     _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len)
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
+    chunk_cfg = chunk_config or config_lib.default_chunk_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     group_padded = config_lib.next_pow2(q.shape[1] // k_cache.shape[2])
     block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
+    two_pass = max_query_len > SHORT_QUERY_LEN and cfg.block_q is None
+    # Fixed split_size segments must be whole tiles of both passes (block_n are powers of two: the max divides).
+    split_block_n = max(cfg.block_n, chunk_cfg.block_n) if two_pass else cfg.block_n
+    if split_size is not None and two_pass and split_size % split_block_n:
+        raise ValueError(f"{split_size=} must be a multiple of both passes' KV tiles (config.block_n={cfg.block_n}, "
+                         f"chunk_config.block_n={chunk_cfg.block_n}) when max_query_len={max_query_len} > "
+                         f"{SHORT_QUERY_LEN}; pass a larger split_size or a chunk_config with a smaller block_n")
     work_blocks = max(block_tables.shape[0], pl.cdiv(q.shape[0], block_q))
     splits, split_size = config_lib.resolve_splits(work_blocks * k_cache.shape[2],
-                                                   block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
+                                                   block_tables.shape[1] * k_cache.shape[1], split_block_n,
                                                    num_splits, split_size)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len=max_query_len,
                             scale=float(scale), num_splits=splits, split_size=split_size,
-                            interpret=backend.resolve_interpret(interpret), cfg=cfg)
+                            interpret=backend.resolve_interpret(interpret), cfg=cfg,
+                            chunk_cfg=chunk_cfg)
     return (out, lse) if return_lse else out

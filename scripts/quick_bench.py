@@ -34,7 +34,7 @@ x = rnd((1 << 30,), 3)
 ms = timeit(jax.jit(lambda x: x * 1), x, inner=5); rec("CEIL", "copy", "", ms, 2 * 2 * (1 << 30) / ms / 1e6, "GB/s")
 del a, b, x
 
-which = sys.argv[1].split(",") if len(sys.argv) > 1 else ["P1", "P2", "D1", "D2", "V1", "S1"]
+which = sys.argv[1].split(",") if len(sys.argv) > 1 else ["P1", "P2", "D1", "D2", "V1", "M1", "S1"]
 Hq, Hkv, D = 32, 8, 128
 def prefill(lens, name, cfgs):
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32); T = int(sum(lens))
@@ -66,19 +66,18 @@ def decode(ctx, name, cfgs, split_opts):
             print(name, cfg, sp, "FAILED", type(e).__name__, str(e)[:300], flush=True)
     return q, kc, vc, bt, cl, nbytes
 
-PCFGS = [PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, heads_per_program=hp, approx_exp2=ax)
-         for (bm, bn, w, s) in [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4), (128, 128, 8, 2)]
-         for hp, ax in ((None, True), (None, False), (1, True))]
+PCFGS = [PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+         for (bm, bn, w, st) in [(128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 8, 3)]]
 if "P1" in which:
     prefill([8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256], "P1", PCFGS)
 if "P2" in which:
-    prefill([32768], "P2", PCFGS[:6])
-DCFGS = [DecodeConfig(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3), (32, 2, 4)]]
+    prefill([32768], "P2", PCFGS)
+DCFGS = [DecodeConfig(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in [(128, 4, 2), (64, 4, 2), (128, 4, 3), (128, 8, 2)]]
 if "D1" in which:
     ctx = np.random.default_rng(0).integers(1024, 8193, 64).tolist()
-    q, kc, vc, bt, cl, nbytes = decode(ctx, "D1", DCFGS, [dict()])
+    q, kc, vc, bt, cl, nbytes = decode(ctx, "D1", DCFGS, [dict(), dict(split_size=2048), dict(split_size=4096)])
     cu = jnp.arange(65, dtype=jnp.int32)
-    for cfg in DCFGS[:3]:
+    for cfg in DCFGS[:2]:
         f = jax.jit(lambda q, kc, vc, bt, cl, cu: paged_attention(q, kc, vc, bt, cl, cu, max_query_len=1, config=cfg))
         ms = timeit(f, q, kc, vc, bt, cl, cu); rec("D1", "pallas_attn/paged", cfg, ms, nbytes / ms / 1e6, "GB/s")
     del kc, vc
@@ -93,13 +92,47 @@ if "V1" in which:
         f = jax.jit(lambda q, kc, vc, bt, s, cu: paged_attention(q, kc, vc, bt, s, cu, max_query_len=6, config=cfg, **sp))
         ms = timeit(f, q, kc, vc, bt, s, cu); rec("V1", f"pallas_attn{sp}", cfg, ms, nbytes / ms / 1e6, "GB/s")
     del kc, vc
+if "M1" in which:  # DESIGN.md §4 M1: 4 chunks of 512 over 4096 + 56 decodes 1k..8k + 8 verifications q=6
+    rng = np.random.default_rng(2)
+    groups = {"chunks": ([4608] * 4, 512), "decodes": (rng.integers(1024, 8193, 56).tolist(), 1),
+              "verifs": (rng.integers(1024, 8193, 8).tolist(), 6)}
+    sl = sum((g[0] for g in groups.values()), []); ql = sum(([g[1]] * len(g[0]) for g in groups.values()), [])
+    kc, vc, bt = paged_cache(sl, 16, rng); T = sum(ql); q = rnd((T, Hq, D), 60)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(ql)]), jnp.int32); s = jnp.asarray(sl, jnp.int32)
+    nbytes = sum(sl) * Hkv * D * 4 + 2 * q.size * 2
+    flops = sum(4 * D * Hq * sum(c - n + i + 1 for i in range(n)) for c, n in zip(sl, ql))
+    print(f"M1: {T} tokens, {nbytes / 1e9:.3f} GB of K/V, {flops / 1e9:.1f} GFLOP", flush=True)
+    CHUNK = [None, DecodeConfig(block_n=128, num_warps=8, num_stages=2), DecodeConfig(block_n=64, num_warps=4, num_stages=3),
+             DecodeConfig(block_n=128, block_q=16, num_warps=4, num_stages=2)]  # the last: the old 64-row pass
+    for cc in CHUNK:
+        f = jax.jit(lambda q, kc, vc, bt, s, cu: paged_attention(q, kc, vc, bt, s, cu, max_query_len=512, chunk_config=cc))
+        ms = timeit(f, q, kc, vc, bt, s, cu); rec("M1", "pallas_attn", cc, ms, nbytes / ms / 1e6, "GB/s")
+    start = 0  # each group alone (the parts), with the default chunk config
+    for name, (lens, n) in groups.items():
+        idx = np.arange(start, start + len(lens)); start += len(lens)
+        sel = slice(int(cu[idx[0]]), int(cu[idx[-1] + 1])); qq = q[sel]; btt = bt[idx]; ss = s[idx]
+        cuu = jnp.asarray(np.concatenate([[0], np.cumsum([n] * len(lens))]), jnp.int32)
+        part_bytes = sum(lens) * Hkv * D * 4
+        if n == 1:
+            f = jax.jit(lambda qq, btt, ss: paged_decode_attention(qq, kc, vc, btt, ss))
+            ms = timeit(f, qq, btt, ss); rec("M1", f"part:{name} (decode kernel)", "", ms, part_bytes / ms / 1e6, "GB/s")
+            f = jax.jit(lambda qq, btt, ss, cuu: paged_attention(qq, kc, vc, btt, ss, cuu, max_query_len=1))
+            ms = timeit(f, qq, btt, ss, cuu); rec("M1", f"part:{name} (paged)", "", ms, part_bytes / ms / 1e6, "GB/s")
+        else:
+            for cc in (CHUNK if n > 16 else [None]):
+                f = jax.jit(lambda qq, btt, ss, cuu: paged_attention(qq, kc, vc, btt, ss, cuu, max_query_len=max(n, 1), chunk_config=cc))
+                ms = timeit(f, qq, btt, ss, cuu)
+                pf = sum(4 * D * Hq * sum(c - n + i + 1 for i in range(n)) for c in lens)
+                rec("M1", f"part:{name}", cc, ms, pf / ms / 1e9, "TFLOP/s")
+    del kc, vc
 if "S1" in which:
     rng = np.random.default_rng(0); B, H, topk = 64, 128, 2048
     kv, _, bt = paged_cache([32768] * B, 64, rng, heads=None, dim=576); q = rnd((B, H, 576), 50)
     idx = jnp.asarray(np.stack([rng.choice(32768, topk, replace=False) for _ in range(B)]).astype(np.int32))
     flops = B * H * topk * (576 + 512) * 2
-    for bn, bh, w, st in [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 3), (32, 64, 4, 1), (16, 64, 8, 3)]:
-        cfg = SparseConfig(block_n=bn, block_h=bh, num_warps=w, num_stages=st)
+    for bn, bh, w, st, vs in [(64, 64, 8, 2, 1), (32, 64, 8, 2, 1), (32, 64, 8, 2, 2), (64, 64, 8, 2, 2),
+                              (32, 64, 4, 2, 2), (32, 64, 8, 3, 2), (16, 64, 8, 3, 2), (32, 32, 4, 2, 2), (32, 64, 8, 2, 4)]:
+        cfg = SparseConfig(block_n=bn, block_h=bh, num_warps=w, num_stages=st, value_splits=vs)
         try:
             f = jax.jit(lambda q, kv, bt, idx: sparse_mla_attention(q, kv, bt, idx, config=cfg))
             ms = timeit(f, q, kv, bt, idx); rec("S1", "pallas_attn", cfg, ms, flops / ms / 1e9, "TFLOP/s")

@@ -114,14 +114,17 @@ def test_decode_loop_with_write_kv_cache(rng):
     (dict(cu=jnp.array([0, 1], jnp.int32)), "cu_query_lens must be"),
     (dict(seq=jnp.array([1, 1, 1], jnp.int32)), "seq_lens must be"),
     (dict(max_query_len=-1), "max_query_len must be a static"),
+    (dict(max_query_len=32, split_size=16, config=SMALL), r"split_size=16 must be a multiple of both passes"),
 ])
 def test_bad_input_raises(kw, match):
     q = jnp.ones((4, 4, 64), jnp.float32)
     kc = jnp.ones((4, 16, 2, 64), jnp.float32)
     bt = jnp.zeros((2, 2), jnp.int32)
+    extra = {name: kw[name] for name in ("split_size", "config") if name in kw}
     with pytest.raises((ValueError, TypeError), match=match):
         paged_attention(q, kc, kc, bt, kw.get("seq", jnp.array([2, 2], jnp.int32)),
-                        kw.get("cu", jnp.array([0, 2, 4], jnp.int32)), max_query_len=kw.get("max_query_len", 2))
+                        kw.get("cu", jnp.array([0, 2, 4], jnp.int32)), max_query_len=kw.get("max_query_len", 2),
+                        **extra)
 
 
 @pytest.mark.gpu
@@ -139,7 +142,8 @@ def test_batch_invariance_fixed_split_size(rng):
     q_lens, seq_lens = [6, 1, 30, 6], [200, 40, 90, 7]
     q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, 16, 8, 2, 64, jnp.bfloat16, pad=0)
     run = lambda q, bt, sl, cu: np.asarray(
-        paged_attention(q, kc, vc, bt, sl, cu, max_query_len=32, split_size=32, config=SMALL), np.float32)
+        paged_attention(q, kc, vc, bt, sl, cu, max_query_len=32, split_size=32, config=SMALL,
+                        chunk_config=SMALL), np.float32)
     full = run(q, bt, sl, cu)
     alone = run(q[:6], bt[:1], sl[:1], jnp.array([0, 6], jnp.int32))
     np.testing.assert_array_equal(full[:6], alone)
