@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import DecodeConfig, merge_attention_states, paged_decode_attention, reference
+from pallas_attn import DecodeConfig, config as config_lib, merge_attention_states, paged_decode_attention, reference
 from pallas_attn.testing import assert_attention_close, make_paged_kv
 
 SMALL = DecodeConfig(block_n=16)
@@ -118,3 +118,17 @@ def test_long_context_compiled(rng):
     for kw in (dict(), dict(num_splits=1), dict(split_size=512)):
         out = paged_decode_attention(q, kc, vc, bt, cl, **kw)
         assert_attention_close(out, reference.paged_decode_attention(q, kc, vc, bt, cl), dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("programs, capacity, want", [
+    (512, 8192, (4, 2048)),  # D1: 64 requests x 8 KV heads, 1k..8k keys: long tail, 2048-key segments
+    (512, 1024, (1, None)),  # 64 short contexts: segments would be below 2048 keys
+    (2048, 1024, (1, None)),  # many short programs: one segment already covers the capacity
+    (32, 131072, None),  # D2: too few programs, the fill-the-GPU rule decides (several splits)
+])
+def test_split_heuristic(programs, capacity, want):
+    splits, size = config_lib.resolve_splits(programs, capacity, 64, None, None)
+    if want is not None:
+        assert (splits, size) == want
+    else:
+        assert splits > 1 and size % 64 == 0 and splits * size >= capacity

@@ -98,6 +98,9 @@ GPU_CASES = {  # compiled Triton kernels at the issue's long lengths, default (t
 }
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpret-mode program is the CPU stand-in; XLA:GPU "
+                    "compiles it differently (32 MiB for the sparse case on the H200): the GPU checks the compiled "
+                    "kernels below")
 @pytest.mark.parametrize("name", CPU_CASES)
 def test_interpret_program_has_no_quadratic_temporaries(name):
     _assert_small_temporaries(*CPU_CASES[name](), interpret=True)

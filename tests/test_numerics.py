@@ -21,8 +21,8 @@ def _dense(q, k, v, causal, dtype, chunk=2048):
     precision = "highest" if dtype == jnp.float32 else None
     L, S = q.shape[0], k.shape[0]
 
-    @jax.jit
-    def rows(q_chunk, start):
+    @jax.jit  # k and v are arguments: closed over, they would be baked into the program as constants
+    def rows(q_chunk, start, k, v):
         s = jnp.einsum("qhd,khd->hqk", q_chunk, k, precision=precision)
         s = s * jnp.asarray(q.shape[-1] ** -0.5, dtype)
         if causal:
@@ -31,7 +31,7 @@ def _dense(q, k, v, causal, dtype, chunk=2048):
         p = jax.nn.softmax(s, axis=-1)
         return jnp.einsum("hqk,khd->qhd", p, v, precision=precision)
 
-    return jnp.concatenate([rows(q[i:i + chunk], i) for i in range(0, L, chunk)])
+    return jnp.concatenate([rows(q[i:i + chunk], i, k, v) for i in range(0, L, chunk)])
 
 
 def _assert_within_2x_of_bf16_jnp(out, q, k, v, *, causal):
