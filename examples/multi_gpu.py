@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=2, help="devices of the context-parallel axis")
     ap.add_argument("--merge", choices=("all_gather", "psum"), default="all_gather")
     ap.add_argument("--target-s", type=float, default=None, help="time budget per measurement")
+    ap.add_argument("--json", help="also write the measurements to this JSON file")
     args = ap.parse_args()
 
     n = args.devices
@@ -160,6 +161,17 @@ def main() -> int:
     ok = err_one < tol and err_ref < tol
     print(f"relative L2: cp vs 1 device {err_one:.2e}, cp vs reference {err_ref:.2e}, "
           f"1 device vs reference {err_one_ref:.2e}  ->  {'OK' if ok else 'MISMATCH'}")
+    if args.json:
+        import datetime
+        import json
+        pathlib.Path(args.json).write_text(json.dumps(dict(
+            date=datetime.date.today().isoformat(), device=f"{n} x {devices[0].device_kind}",
+            versions=dict(jax=jax.__version__), workload=f"D2 longest request: ctx {ctx}, Hq {hq}, Hkv {hkv}, D {d}, "
+            f"block {bs}, {jnp.dtype(dtype).name}", merge=args.merge, keys_per_device=keys_per_dev.tolist(),
+            one_device_us=t_one * 1e6, one_device_gbs=gbs_one, cp_us=t_cp * 1e6, cp_gbs_per_device=per_dev,
+            speedup=t_one / t_cp, local_kernels_us=t_local * 1e6, merge_us=t_merge * 1e6,
+            merge_share=t_merge / t_cp, rel_l2_cp_vs_one=err_one, rel_l2_cp_vs_reference=err_ref, ok=bool(ok)),
+            indent=1))
     return 0 if ok else 1
 
 
