@@ -62,8 +62,11 @@ def _sparse_kernel(
 
     def step(j, state):
         pos = plgpu.load(topk_ref.at[t * topk + j * block_n + jnp.arange(block_n)])  # [N]
-        valid = (pos >= 0) & (req >= 0)
-        slot = tiles.paged_rows(block_tables_ref, req * max_blocks, pos, block_size, 1, 0, valid)  # [N]
+        # Indices past the table row (or the pool) are caller errors (safe mode reports them); kept in bounds here
+        # so they cannot fault the GPU.
+        valid = (pos >= 0) & (pos < max_blocks * block_size) & (req >= 0)
+        slot = tiles.paged_rows(block_tables_ref, req * max_blocks, pos, block_size, 1, 0, valid,
+                                num_pages=kv_ref.shape[0] // block_size)  # [N]
         k_nope, k_pe = load_split(kv_ref, slot, valid)  # [N, Dv], [N, rope]
         s = dot(q_nope, k_nope.T)  # [H_blk, N]
         if rope_dim:

@@ -60,19 +60,24 @@ def store_vector(ref, rows, value, row_mask=None):
     plgpu.store(ref.at[rows], value.astype(ref.dtype), mask=row_mask)
 
 
-def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: int, kv_head, valid=None):
+def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: int, kv_head, valid=None,
+               num_pages: int | None = None):
     """Row indices ``[N]`` of key positions ``pos`` in the flattened ``[num_blocks*block_size*Hkv, D]`` cache.
 
     ``block_table_ref`` is the flattened ``[num_seqs * max_blocks]`` table and ``table_base`` the request's first
     entry. Entries are read as scalars-per-row from the table (seed §11: logical_block = pos // block_size,
     physical_block = block_table[logical_block], slot = physical_block * block_size + pos % block_size). Where
-    ``valid`` is False the table is not read and row 0 is returned (callers mask those rows' loads).
+    ``valid`` is False the table is not read and row 0 is returned (callers mask those rows' loads). With
+    ``num_pages``, page numbers are clamped into the pool: for positions that come from user data (top-k indices), a
+    bad index reads a wrong row (safe mode reports it) instead of faulting the GPU.
     """
     logical = table_base + pos // block_size
     if valid is None:
         page = plgpu.load(block_table_ref.at[logical])
     else:
         page = plgpu.load(block_table_ref.at[logical], mask=valid, other=0)
+    if num_pages is not None:
+        page = jnp.clip(page, 0, num_pages - 1)
     slot = page * block_size + pos % block_size
     return slot * num_kv_heads + kv_head
 

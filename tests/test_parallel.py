@@ -114,8 +114,9 @@ def check_tp_sparse(rng):
     _same("sparse lse", lse, one_lse, exact=False)
     assert_attention_close(out, reference.sparse_mla_attention(q, kv, bt, idx, kv_lora_rank=rank), dtype=jnp.float32)
     # several tokens per request: cu_query_lens (keyword or positional)
-    cu = jnp.asarray([0, 2, 3], jnp.int32)
+    cu = jnp.asarray([0, 2, 3], jnp.int32)  # tokens 0, 1 -> request 0 (30 keys), token 2 -> request 1 (7 keys)
     bt2 = bt[:2]
+    idx = idx.at[2].set(jnp.where(idx[2] >= 0, idx[2] % seq_lens[1], -1))  # top-k within the token's own request
     out_kw = f(q, kv, bt2, idx, cu_query_lens=cu)[0]
     out_pos = f(q, kv, bt2, idx, cu)[0]
     one = sparse_mla_attention(q, kv, bt2, idx, cu_query_lens=cu, **kw)[0]
