@@ -295,6 +295,8 @@ def parse_args(argv):
     p.add_argument("--impl", default=None, help="comma-separated implementations (a name selects its /variants too)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of the harness (interpret mode)")
     p.add_argument("--sweep", action="store_true", help="tuning mode: config grid for our kernels")
+    p.add_argument("--write-tables", action="store_true",
+                   help="with --sweep: write the winners into pallas_attn/tuned.py (the tables config.py reads)")
     p.add_argument("--split-sweep", action="store_true",
                    help="decode batch {1,4,16,64} x ctx {1k,8k,32k,128k}, num_splits=1 vs the heuristic "
                         "(alone unless --only names standard workloads too)")
@@ -451,6 +453,13 @@ def _main_sweep(args, specs, options, out_dir, ctx, target_s) -> int:
     print("\nproposed config.py table entries:")
     for p in proposals:
         print(f"{p['python']}    # from {','.join(p['from'])}, geomean {p['geomean_of_best']:.3f} of best")
+    if args.write_tables:
+        if args.tiny:
+            print("\n--write-tables ignored with --tiny (interpret-mode timings are not tuning data)")
+        else:
+            import pallas_attn.tuned
+            for line in sweep.write_tables(proposals, pallas_attn.tuned.__file__):
+                print(f"wrote pallas_attn/tuned.py: {line}")
     path = results_path(out_dir, ctx["date"], device_slug(ctx["device"]), args.tiny, suffix="-sweep")
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {**ctx, "device_kind": ctx["device"], "target_s": target_s, "tables": proposals,

@@ -1,5 +1,6 @@
 """``--sweep``: tuning mode for our kernels. Tries a grid of configs per workload, prints the winners and writes
-``<date>-<device>-sweep.json`` with entries ready to paste into the tables of :mod:`pallas_attn.config`.
+``<date>-<device>-sweep.json``; with ``--write-tables`` the winners go into :mod:`pallas_attn.tuned`, the tables
+:mod:`pallas_attn.config` reads.
 
 Two stages per workload: stage 1 is the block-size × warps × stages grid at the default split choice; stage 2
 varies what only makes sense around the stage-1 winner (prefill: query heads per program; decode and ragged:
@@ -22,6 +23,7 @@ from pallas_attn.config import DecodeConfig, PrefillConfig, SparseConfig
 
 FAMILY_TABLE = {"prefill": "PREFILL_TABLE", "decode": "DECODE_TABLE", "ragged": "DECODE_TABLE",
                 "sparse": "SPARSE_TABLE"}
+TUNED_NAMES = {"PREFILL_TABLE": "PREFILL", "DECODE_TABLE": "DECODE", "CHUNK_TABLE": "CHUNK", "SPARSE_TABLE": "SPARSE"}
 
 
 # --------------------------------------------------------------------------------------------------- grids
@@ -164,3 +166,41 @@ def strip_private(per_workload: dict) -> dict:
         clean[wid] = {"default": strip(d["default"]), "winner": strip(d["winner"]),
                       "results": [strip(e) for e in d["results"]]}
     return clean
+
+
+def write_tables(proposals: list[dict], path) -> list[str]:
+    """Merge the proposals into the generated module ``pallas_attn/tuned.py`` at ``path`` (entries for other
+    devices and head dims are kept) and rewrite it; returns the entries written. The ragged family's winner is
+    not written: it shares DECODE_TABLE with the decode kernel, whose own sweep decides that entry."""
+    import ast
+    import pathlib
+    path = pathlib.Path(path)
+    tables = {name: {} for name in TUNED_NAMES.values()}
+    header = '"""Measured launch configs."""\n'
+    if path.exists():
+        tree = ast.parse(path.read_text())
+        doc = ast.get_docstring(tree, clean=False)
+        if doc is not None:
+            header = '"""' + doc + '"""\n'
+        for node in tree.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in tables:
+                tables[node.target.id] = ast.literal_eval(node.value)
+    written = []
+    for p in proposals:
+        if p["kernel"] == "ragged":
+            continue
+        name = TUNED_NAMES[p["table"]]
+        key = tuple(p["key"])
+        tables[name][key] = dict(p["config"])
+        written.append(f"{name}[{key!r}] = {p['config']!r}")
+    lines = [header]
+    for name, entries in tables.items():
+        if not entries:
+            lines.append(f"{name}: dict[tuple[str, int], dict] = {{}}")
+            continue
+        lines.append(f"{name}: dict[tuple[str, int], dict] = {{")
+        for key in sorted(entries):
+            lines.append(f"    {key!r}: {entries[key]!r},")
+        lines.append("}")
+    path.write_text("\n".join(lines) + "\n")
+    return written

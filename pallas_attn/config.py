@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pallas_attn import backend
+from pallas_attn import backend, tuned
 
 
 def next_pow2(n: int) -> int:
@@ -81,11 +81,13 @@ class SparseConfig:
         _check_pow2("num_warps", self.num_warps, hi=16)
 
 
-# Measured winners, keyed by (device kind, head dim). Filled by `pallas-attn bench --sweep` on the H200.
-PREFILL_TABLE: dict[tuple[str, int], PrefillConfig] = {}
-DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {}
-CHUNK_TABLE: dict[tuple[str, int], DecodeConfig] = {}  # paged_attention's prefill-chunk pass
-SPARSE_TABLE: dict[tuple[str, int], SparseConfig] = {}
+# Measured winners (pallas_attn/tuned.py, written by `pallas-attn bench --sweep --write-tables`), keyed by
+# (device kind, padded head dim); sparse by (device kind, num_q_heads).
+PREFILL_TABLE: dict[tuple[str, int], PrefillConfig] = {k: PrefillConfig(**v) for k, v in tuned.PREFILL.items()}
+DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {k: DecodeConfig(**v) for k, v in tuned.DECODE.items()}
+CHUNK_TABLE: dict[tuple[str, int], DecodeConfig] = {  # paged_attention's prefill-chunk pass
+    k: DecodeConfig(**v) for k, v in tuned.CHUNK.items()}
+SPARSE_TABLE: dict[tuple[str, int], SparseConfig] = {k: SparseConfig(**v) for k, v in tuned.SPARSE.items()}
 
 
 def default_prefill_config(head_dim: int, dtype_bytes: int = 2) -> PrefillConfig:
