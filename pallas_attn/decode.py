@@ -8,7 +8,8 @@ has no scalar prefetch) and gathers ``block_n`` keys — several pages — per s
 
 With ``num_splits > 1`` each segment writes a partial ``O_s`` and ``LSE_s`` (float32) and
 :func:`pallas_attn.softmax.merge_attention_states` merges them (the jitted second pass). ``num_splits=None``
-picks by :func:`pallas_attn.config.choose_num_splits`; ``num_splits=1`` is the single pass with no merge.
+picks by :func:`pallas_attn.config.resolve_splits` (fill the GPU when the batch cannot; cut long tails when it
+can); ``num_splits=1`` is the single pass with no merge.
 ``split_size=`` (tokens) fixes the segments' boundaries instead, so a request's output is bit-identical whatever
 else is in the batch.
 

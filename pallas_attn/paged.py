@@ -15,8 +15,8 @@ block is ``block_q`` tokens of one request × the whole GQA group (padded to a p
 dimension of every dot, so verification reads each K/V tile once for all its draft tokens and heads. Blocks past
 the batch's last one write zeros into the padding rows and exit. A batch whose queries are all short (decode,
 verification: ``max_query_len <= 16``) is one launch; with prefill chunks in it, short queries run in one launch
-with small tiles and the chunks in a second with larger ones, writing into the same (aliased) output, so decode rows
-do not pay for prefill-sized tiles.
+with small tiles and the chunks in a second with prefill-sized ones (``chunk_config``), writing into the same
+(aliased) output, so decode rows do not pay for prefill-sized tiles.
 
 Split-KV works for every query length (vLLM's unified kernel turns it off as soon as one query is longer than 1):
 long contexts are cut into segments whatever the query length, and merged by

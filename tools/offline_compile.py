@@ -40,8 +40,11 @@ def _capture(*args, **kwargs):
 registration.lowering.lower_jaxpr_to_triton_module = _capture
 
 
-def report(fn, args, *, num_warps: int, num_stages: int, label: str) -> list[dict]:
-    """Resources of every pallas_call in ``jax.jit(fn)(*args)`` (abstract args: ShapeDtypeStructs)."""
+def report(fn, args, *, num_warps: int, num_stages: int, label: str, launches=None) -> list[dict]:
+    """Resources of every pallas_call in ``jax.jit(fn)(*args)`` (abstract args: ShapeDtypeStructs).
+
+    ``launches``: per-pallas_call ``(num_warps, num_stages)`` when the calls differ (paged_attention's two
+    launches); otherwise every call uses ``num_warps`` / ``num_stages``."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -53,8 +56,9 @@ def report(fn, args, *, num_warps: int, num_stages: int, label: str) -> list[dic
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "kernel.ttir")
             open(path, "w").write(ttir)
+            warps, stages = launches[i] if launches else (num_warps, num_stages)
             compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=num_warps, num_stages=num_stages))
+                                      options=dict(num_warps=warps, num_stages=stages))
             cubin = os.path.join(tmp, "kernel.cubin")
             open(cubin, "wb").write(compiled.asm["cubin"])
             tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -86,6 +90,12 @@ def main():
                                                           interpret=False),
            (S((256, 32, 128), bf16), cache, cache, S((32, 1024), i32), S((32,), i32), S((33,), i32)),
            num_warps=d.num_warps, num_stages=d.num_stages, label=f"ragged {d}")
+    c = cfg.default_chunk_config(128, 16)  # M1-like: prefill chunks beside decodes, two launches
+    report(lambda q, kc, vc, bt, sl, cu: paged_attention(q, kc, vc, bt, sl, cu, max_query_len=512, num_splits=1,
+                                                          interpret=False),
+           (S((2152, 32, 128), bf16), cache, cache, S((68, 512), i32), S((68,), i32), S((69,), i32)),
+           num_warps=d.num_warps, num_stages=d.num_stages, label=f"ragged short + chunk {c}",
+           launches=[(d.num_warps, d.num_stages), (c.num_warps, c.num_stages)])
     s = cfg.default_sparse_config(128)
     report(lambda q, kv, bt, idx: sparse_mla_attention(q, kv, bt, idx, interpret=False),
            (S((64, 128, 576), bf16), S((32768, 64, 576), bf16), S((64, 512), i32), S((64, 2048), i32)),
