@@ -128,7 +128,8 @@ def default_chunk_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -
 
 
 def default_sparse_config(num_heads: int) -> SparseConfig:
-    return SPARSE_TABLE.get((backend.device_kind(), num_heads), SparseConfig(block_h=min(64, max(16, next_pow2(num_heads)))))
+    fallback = SparseConfig(block_h=min(64, max(16, next_pow2(num_heads))))
+    return SPARSE_TABLE.get((backend.device_kind(), num_heads), fallback)
 
 
 def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, *, num_sms: int | None = None,

@@ -89,8 +89,8 @@ def _ragged_kernel(
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
     *refs,  # [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o_ref, lse_ref
-    zero_padding: bool, num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, group_padded: int,
-    block_q: int, max_blocks: int, block_size: int, block_n: int, num_splits: int, split_size: int | None,
+    zero_padding: bool, num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    group_padded: int, block_q: int, max_blocks: int, block_size: int, block_n: int, num_splits: int, split_size: int | None,
     scale2: float, precision,
 ):
     o_ref, lse_ref = refs[-2:]  # [T * Hq, Dp] or [num_splits * T * Hq, Dp] (f32 partials); f32[...] LSE
@@ -171,7 +171,8 @@ def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, 
         passes = [(block_q, pl.cdiv(num_tokens, block_q) + num_seqs, None, cfg)]
     else:
         short_q = query_block_tokens(SHORT_QUERY_LEN, group_padded, None)
-        long_q = query_block_tokens(max_query_len, group_padded, chunk_cfg.block_q, chunk_rows(padded, q.dtype.itemsize))
+        long_q = query_block_tokens(max_query_len, group_padded, chunk_cfg.block_q,
+                                    chunk_rows(padded, q.dtype.itemsize))
         passes = [(short_q, num_seqs * pl.cdiv(SHORT_QUERY_LEN, short_q) + 1, "short", cfg),  # + 1 zeroes padding
                   (long_q, pl.cdiv(num_tokens, long_q) + num_seqs, "long", chunk_cfg)]
 
