@@ -90,8 +90,8 @@ def _ragged_kernel(
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
     *refs,  # [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o_ref, lse_ref
     zero_padding: bool, num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-    group_padded: int, block_q: int, max_blocks: int, block_size: int, block_n: int, num_splits: int, split_size: int | None,
-    scale2: float, precision,
+    group_padded: int, block_q: int, max_blocks: int, block_size: int, block_n: int, num_splits: int,
+    split_size: int | None, scale2: float, precision,
 ):
     o_ref, lse_ref = refs[-2:]  # [T * Hq, Dp] or [num_splits * T * Hq, Dp] (f32 partials); f32[...] LSE
     p, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
