@@ -7,7 +7,7 @@ compiled interpret-mode programs; padding rows, empty requests, table tails and 
 Profiles (env var ``PALLAS_ATTN_HYPOTHESIS_PROFILE``):
   ci        default: 5 examples per test, derandomized (the same examples every run), no deadline.
   thorough  200 examples per test, random.
-Runtime on this 2-core CPU with "ci": ~60 s for the file.
+Runtime on this 2-core CPU with "ci": ~80 s for the file.
 """
 
 from __future__ import annotations
@@ -121,6 +121,30 @@ def test_paged_matches_reference(requests, hq_hkv, head_dim, block_size, split, 
     q, cu = random_packed(rng, q_lens, hq, head_dim, jnp.float32, pad_to=bucket(total + 1, 16))
     sl = jnp.asarray(seq_lens, jnp.int32)
     out, lse = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=16, return_lse=True, config=DECODE,
+                               **SPLITS[split])
+    ref_out, ref_lse = reference.paged_attention(q, kc, vc, bt, sl, cu, return_lse=True)
+    _check(out, lse, ref_out, ref_lse, total)
+
+
+@PROFILE
+@given(requests=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 200)), min_size=0, max_size=NUM_SEQS - 1),
+       chunk=st.tuples(st.integers(17, 40), st.integers(0, 200)), at=st.integers(0, NUM_SEQS - 1),
+       hq_hkv=heads(), block_size=block_sizes, split=splits, seed=seeds)
+def test_paged_mixed_with_chunks_matches_reference(requests, chunk, at, hq_hkv, block_size, split, seed):
+    """Queries up to 40 tokens under max_query_len=64, at least one a chunk (q_len > 16): the two-launch path (short
+    queries under ``config``, chunks under the default ``chunk_config``) into one output."""
+    hq, hkv = hq_hkv
+    rng = np.random.default_rng(seed)
+    requests = list(requests)
+    requests.insert(min(at, len(requests)), chunk)
+    requests = _pad_requests(requests, (0, 0))
+    q_lens = [n for n, _ in requests]
+    seq_lens = [n + c for n, c in requests]
+    kc, vc, bt = _paged_cache(rng, seq_lens, block_size, hkv, 32)
+    total = sum(q_lens)
+    q, cu = random_packed(rng, q_lens, hq, 32, jnp.float32, pad_to=bucket(total + 1, 64))
+    sl = jnp.asarray(seq_lens, jnp.int32)
+    out, lse = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=64, return_lse=True, config=DECODE,
                                **SPLITS[split])
     ref_out, ref_lse = reference.paged_attention(q, kc, vc, bt, sl, cu, return_lse=True)
     _check(out, lse, ref_out, ref_lse, total)
