@@ -1,0 +1,267 @@
+"""Packed varlen prefill on the Mosaic GPU backend (Hopper: wgmma, TMA, warp specialisation). Experimental.
+
+The same contract as :func:`pallas_attn.varlen_attention` and the seed's structure, written for the backend that
+reaches Hopper's own instructions from Pallas:
+
+* grid ``(q_tiles, Hq / 2, batch + 1)``; program ``(m, p, b)`` owns 64 query tokens of request ``b`` (tiles visited
+  longest-first) and the query heads ``2p, 2p + 1`` — two heads of one KV group, so each K/V tile that lands in
+  shared memory serves both (GQA sharing; the group size must be even).
+* three warpgroups: two compute warpgroups (one query head each: ``S = Q Kᵀ`` and ``O += P V`` with wgmma, the
+  online softmax in registers, exp2 with the scale folded) and one memory warpgroup that streams K/V tiles through
+  a ring of shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers.
+* ``cu_seqlens`` is read inside the kernel; a tile past its request exits at once. Full tiles (■, every key before
+  the tile's first query) run with no mask code, diagonal tiles (△) are masked from request-local positions,
+  future tiles (·) are never loaded. Non-causal: only the last tile masks keys past the request.
+* rows past the request's end are never written: the output tile goes out through a ladder of TMA stores of
+  64, 32, …, 1 rows (static box sizes, chosen at run time by the bits of the valid row count), so a neighbour
+  request's rows are untouched. The extra program row ``b == batch`` zeroes the padding rows ``[cu_seqlens[-1], T)``.
+* LSE (natural log) goes to a per-tile buffer ``[batch, Hq, q_tiles · 64]`` (a 64-wide TMA store each) and is
+  gathered to ``[T, Hq]`` outside the kernel, only when asked.
+
+Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. It raises on
+TMA reads past the end of an array, where the hardware zero-fills, so there the inputs get one tile of padding rows
+first.
+
+Status (2026-11-30, work in progress, not part of the package): written and run only in the Mosaic GPU
+interpreter on a CPU. Without padding rows, when an interpreted run completes it matches the reference (bf16
+relative L2 1.8e-3: one request of 64 or 70 tokens, Hq 2, Hkv 1, D 64); with padding rows (the zeroing program
+row) one run gave NaN in valid rows; and runs hang intermittently — the same input passes or blocks in a barrier
+wait from one run to the next — so either this kernel races or the interpreter does. Not yet resolved. Never
+compiled or timed on the H200. Interpreter limits met on the way (jax 0.11.2): wgmma's A operand must be in shared
+memory, pl.run_state with a pre-initialised accumulator does not run, copy_smem_to_gmem takes no predicate, and
+(apparently) a barrier completion that no thread waits for breaks the next grid point, hence the releases guarded
+by "refill". Run it with ``experimental/check_prefill_mgpu.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_attn import softmax  # noqa: E402 (run from the repository root)
+
+BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
+COMPUTE_WGS = 2  # two query heads of one KV group per program
+LN2 = math.log(2.0)
+
+
+def supported(q, k) -> str | None:
+    """None when the Mosaic kernel applies to these inputs, else the reason it does not."""
+    num_q_heads, head_dim = q.shape[1:]
+    group = num_q_heads // k.shape[1]
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {q.dtype} (bf16 / fp16 only)"
+    if head_dim not in (64, 128, 256):
+        return f"head_dim {head_dim} (64, 128 or 256)"
+    if group % COMPUTE_WGS:
+        return f"GQA group {group} (the two compute warpgroups take two heads of one group: even groups only)"
+    return None
+
+
+def _block_kv(head_dim: int) -> int:
+    return 128 if head_dim <= 128 else 64  # two K/V slots of [block_kv, D] stay within shared memory
+
+
+# ---------------------------------------------------------------------------------------------- kernel body
+def _store_rows(src_smem, dst_rows, num_rows, *, max_rows: int):
+    """TMA-store rows ``[0, num_rows)`` of ``src_smem`` to ``dst_rows(offset, size)`` with boxes of 64, 32, …, 1
+    rows (TMA boxes are static; the bits of ``num_rows`` pick which ones run)."""
+    offset = jnp.int32(0)
+    size = max_rows
+    while size >= 1:
+        take = (num_rows & size) != 0
+        pl.when(take)(functools.partial(lambda o, n: plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(o, n)],
+                                                                             dst_rows(o, n)), offset, size))
+        offset = offset + jnp.where(take, size, 0)
+        size //= 2
+
+
+def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: int, num_tokens: int, group: int,
+            num_q_tiles: int, block_kv: int, mcs: int, causal: bool, scale2: float):
+    (q_smem, o_smem, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
+    m = num_q_tiles - 1 - lax.axis_index("q_seq")  # longest-first
+    pair = lax.axis_index("heads")
+    b = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    dtype = q_ref.dtype
+    head_dim = q_ref.shape[-1]
+    kv_head = lax.div(pair * COMPUTE_WGS, jnp.int32(group))
+    bc = jnp.minimum(b, num_seqs - 1)
+    seq_start = cu_ref[bc]
+    seq_len = cu_ref[bc + 1] - seq_start
+    q0 = m * BLOCK_Q  # request-local first query of the tile
+    live = (b < num_seqs) & (q0 < seq_len)
+    q_end = jnp.minimum(q0 + BLOCK_Q, seq_len)
+    kv_len = q_end if causal else seq_len
+    kv_steps = pl.cdiv(kv_len, block_kv)
+    # ■ tiles: every key before the tile's first query (causal) or inside the request (not causal).
+    full_steps = lax.div(q0 if causal else seq_len, jnp.int32(block_kv))
+
+    @pl.when(live & (wg < COMPUTE_WGS))
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_head = pair * COMPUTE_WGS + wg
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(seq_start + q0, BLOCK_Q), q_head], q_smem.at[wg], q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(j, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(j, jnp.int32(mcs))
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+            # Release the slot only when the memory warpgroup will refill it (it waits for exactly those steps): a
+            # completion nobody waits for would leave the barrier a phase ahead.
+            refill = j + mcs < kv_steps
+            pl.when(refill)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+            s = s * scale2  # log2 domain: exp2(s - m) == exp((qk - m') * scale)
+            if masked:
+                rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA) + q0
+                cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1,
+                                              layout=plgpu.Layout.WGMMA) + j * block_kv
+                s = jnp.where((cols <= rows) if causal else (cols < seq_len), s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet: exp2(-inf - 0) = 0, no NaN
+            alpha = jnp.exp2(m_i - m_ref)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_ref, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            p16 = p.astype(dtype)
+            if p_smem is not None:  # interpret mode: the interpreter takes wgmma's A operand from shared memory only
+                p_smem.at[wg][...] = p16
+                plgpu.commit_smem()
+                p16 = p_smem.at[wg]
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                return acc_ref[...]
+
+            # A fresh accumulator plus an add, not wgmma into a pre-initialised one (pl.run_state): the Mosaic GPU
+            # interpreter cannot run the latter, and one code path is tested on CPU and compiled on the GPU.
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+            pl.when(refill)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
+            return acc, m_new, l_i
+
+        carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
+
+        l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+        o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+        if lse_ref is not None:
+            lse_smem.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+        plgpu.commit_smem()
+        row0 = seq_start + q0
+        _store_rows(o_smem.at[wg], lambda off, n: o_ref.at[pl.ds(row0 + off, n), q_head], q_end - q0,
+                    max_rows=BLOCK_Q)
+        if lse_ref is not None:
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, q_head, pl.ds(q0, BLOCK_Q)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(live & (wg == COMPUTE_WGS))
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load(step, slot):
+            rows = (pl.ds(seq_start + step * block_kv, block_kv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+        for i in range(mcs):
+            pl.when(i < kv_steps)(functools.partial(load, i, i))
+
+        @pl.loop(0, jnp.maximum(kv_steps - mcs, 0))
+        def _refill(step):
+            slot = lax.rem(step, jnp.int32(mcs))
+            plgpu.barrier_wait(k_free.at[slot])  # both compute warpgroups are done with the slot's K ...
+            plgpu.barrier_wait(v_free.at[slot])  # ... and V
+            load(step + mcs, slot)
+
+    @pl.when((b == num_seqs) & (wg < COMPUTE_WGS))
+    def _zero_padding():  # rows [cu_seqlens[-1], T): zeros, so they are finite without a pass over the output
+        q_head = pair * COMPUTE_WGS + wg
+        o_smem.at[wg][...] = plgpu.layout_cast(jnp.zeros((BLOCK_Q, head_dim), dtype), plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+        first = cu_ref[num_seqs] + m * BLOCK_Q
+        stride = num_q_tiles * BLOCK_Q
+
+        @pl.loop(0, pl.cdiv(jnp.maximum(num_tokens - first, 0), stride))
+        def _zero(i):
+            row0 = first + i * stride
+            _store_rows(o_smem.at[wg], lambda off, n: o_ref.at[pl.ds(row0 + off, n), q_head],
+                        jnp.minimum(BLOCK_Q, num_tokens - row0), max_rows=BLOCK_Q)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+# -------------------------------------------------------------------------------------------- pallas_call
+def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
+                            interpret: bool, max_concurrent_steps: int = 2):
+    """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`."""
+    reason = supported(q, k)
+    if reason is not None:
+        raise ValueError(f"the Mosaic prefill does not support {reason}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    num_q_tiles = pl.cdiv(max(max_seqlen, 1), BLOCK_Q)
+    block_kv = _block_kv(head_dim)
+    if interpret:  # the interpreter clamps TMA windows into bounds; the hardware zero-fills past the end
+        pad = ((0, max(BLOCK_Q, block_kv)), (0, 0), (0, 0))
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    rows = q.shape[0]
+
+    tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    scratch = (
+        (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, **tiled),  # Q, one per compute warpgroup
+         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),  # O staging: untiled, so any row offset can go out
+         plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), k.dtype, **tiled),
+         plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), v.dtype, **tiled),
+         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32) if return_lse else None,
+         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, block_kv), q.dtype, **tiled) if interpret else None),  # P, see _kernel
+        (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=max_concurrent_steps),
+         plgpu.Barrier(num_barriers=max_concurrent_steps)),
+        (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_concurrent_steps),) * 2,
+    )
+    body = functools.partial(
+        _kernel, num_seqs=num_seqs, num_tokens=num_tokens, group=num_q_heads // num_kv_heads,
+        num_q_tiles=num_q_tiles, block_kv=block_kv, mcs=max_concurrent_steps, causal=causal,
+        scale2=scale * softmax.LOG2E)
+
+    def entry(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        pl.run_scoped(lambda *s: body(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s), *scratch,
+                      collective_axes="wg")
+
+    out_type = [jax.ShapeDtypeStruct((rows, num_q_heads, head_dim), q.dtype),
+                jax.ShapeDtypeStruct((num_seqs, num_q_heads, num_q_tiles * BLOCK_Q), jnp.float32)
+                if return_lse else None]
+    interpret_params = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret_params = InterpretGPUParams()
+    out, lse_tiles = plgpu.kernel(
+        entry, out_type=out_type, grid=(num_q_tiles, num_q_heads // COMPUTE_WGS, num_seqs + 1),
+        grid_names=("q_seq", "heads", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params,
+    )(cu_seqlens, q, k, v)
+    out = out[:num_tokens]
+    if not return_lse:
+        return out, None
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    req = jnp.clip(jnp.searchsorted(cu_seqlens, token, side="right", method="compare_all") - 1, 0, num_seqs - 1)
+    local = token - cu_seqlens[req]
+    lse = lse_tiles[req, :, jnp.clip(local, 0, num_q_tiles * BLOCK_Q - 1)]  # [T, Hq]
+    return out, jnp.where((token < cu_seqlens[-1])[:, None], lse, -jnp.inf)
