@@ -24,8 +24,11 @@ first.
 
 Status (2026-11-30, work in progress, not part of the package): written and run only in the Mosaic GPU
 interpreter on a CPU. Without padding rows, when an interpreted run completes it matches the reference (bf16
-relative L2 1.8e-3: one request of 64 or 70 tokens, Hq 2, Hkv 1, D 64); with padding rows (the zeroing program
-row) one run gave NaN in valid rows; and runs hang intermittently — the same input passes or blocks in a barrier
+relative L2 1.8e-3: one request of 64 or 70 tokens, Hq 2, Hkv 1, D 64). With NaN-poisoned rows after a request
+its valid rows come out NaN: the last K/V tile is loaded whole by TMA, and a masked P (0) times a NaN V row is
+NaN — K is safe (masked scores are replaced by -inf), V is not. To fix: the memory warpgroup zeroes the V rows past
+the request in the last tile's slot and then signals a "ready" barrier the masked steps wait on. And runs hang
+intermittently — the same input passes or blocks in a barrier
 wait from one run to the next — so either this kernel races or the interpreter does. Not yet resolved. Never
 compiled or timed on the H200. Interpreter limits met on the way (jax 0.11.2): wgmma's A operand must be in shared
 memory, pl.run_state with a pre-initialised accumulator does not run, copy_smem_to_gmem takes no predicate, and
