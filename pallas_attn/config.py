@@ -90,12 +90,23 @@ CHUNK_TABLE: dict[tuple[str, int], DecodeConfig] = {  # paged_attention's prefil
 SPARSE_TABLE: dict[tuple[str, int], SparseConfig] = {k: SparseConfig(**v) for k, v in tuned.SPARSE.items()}
 
 
+def _tuned(table: dict, key: int):
+    """The measured entry for this device, or None."""
+    return table.get((backend.device_kind(), key))
+
+
+def narrow_tiles(head_dim: int, dtype_bytes: int) -> bool:
+    """float32 inputs or 256-wide heads: a 128-row float32 accumulator (plus its operands) would not fit the
+    register file, so every kernel falls back to smaller tiles."""
+    return dtype_bytes >= 4 or next_pow2(head_dim) >= 256
+
+
 def default_prefill_config(head_dim: int, dtype_bytes: int = 2) -> PrefillConfig:
     padded = next_pow2(head_dim)
-    hit = PREFILL_TABLE.get((backend.device_kind(), padded))
+    hit = _tuned(PREFILL_TABLE, padded)
     if hit is not None:
         return hit
-    if dtype_bytes >= 4 or padded >= 256:
+    if narrow_tiles(head_dim, dtype_bytes):
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
     if padded >= 128:  # H200 sweep 2026-11-30 (P1/P2, bf16 D=128): 128x128, 8 warps, 3 stages won
         return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
@@ -104,23 +115,28 @@ def default_prefill_config(head_dim: int, dtype_bytes: int = 2) -> PrefillConfig
 
 def default_decode_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -> DecodeConfig:
     padded = next_pow2(head_dim)
-    hit = DECODE_TABLE.get((backend.device_kind(), padded))
+    hit = _tuned(DECODE_TABLE, padded)
     if hit is not None:
         return hit
     # H200 sweep 2026-11-30 (bf16 D=128): block_n=128 / 4 warps / 2 stages best on D2 and V1, within 2% on D1.
-    block_n = 32 if (padded >= 256 or dtype_bytes >= 4) else 128 if padded <= 128 else 64
+    block_n = 32 if narrow_tiles(head_dim, dtype_bytes) else 128 if padded <= 128 else 64
     return DecodeConfig(block_n=max(block_n, min(block_size, 128)), num_warps=4, num_stages=2)
+
+
+def chunk_rows(head_dim: int, dtype_bytes: int) -> int:
+    """Rows (tokens × padded group) of a prefill-chunk query block in :func:`pallas_attn.paged_attention`: 128 as
+    in prefill (each K/V tile read serves twice the rows of a 64-row block), 64 with narrow tiles."""
+    return 64 if narrow_tiles(head_dim, dtype_bytes) else 128
 
 
 def default_chunk_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -> DecodeConfig:
     """The prefill-chunk pass of :func:`pallas_attn.paged_attention` (queries longer than 16 tokens in a mixed
-    batch): compute-bound like prefill, so 8 warps over 128-row query blocks (see ``paged.chunk_rows``); float32
-    and 256-wide heads fall back to 64 rows and 4 warps to stay inside the register file."""
-    padded = next_pow2(head_dim)
-    hit = CHUNK_TABLE.get((backend.device_kind(), padded))
+    batch): compute-bound like prefill, so 8 warps over :func:`chunk_rows`-row query blocks; narrow tiles (float32,
+    256-wide heads) take 4 warps."""
+    hit = _tuned(CHUNK_TABLE, next_pow2(head_dim))
     if hit is not None:
         return hit
-    if padded >= 256 or dtype_bytes >= 4:
+    if narrow_tiles(head_dim, dtype_bytes):
         return DecodeConfig(block_n=max(32, min(block_size, 128)), num_warps=4, num_stages=2)
     # H200 2026-11-30, M1's chunks (bf16 D=128, GQA 4): 128-row blocks with block_n 128 / 8 warps / 2 stages 0.571 ms
     # (256 TFLOP/s); block_n 64 / 3 stages 0.717; 4 warps 0.626; the old 64-row blocks 0.864.
@@ -128,8 +144,8 @@ def default_chunk_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -
 
 
 def default_sparse_config(num_heads: int) -> SparseConfig:
-    fallback = SparseConfig(block_h=min(64, max(16, next_pow2(num_heads))))
-    return SPARSE_TABLE.get((backend.device_kind(), num_heads), fallback)
+    hit = _tuned(SPARSE_TABLE, num_heads)
+    return hit if hit is not None else SparseConfig(block_h=min(64, max(16, next_pow2(num_heads))))
 
 
 def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, *, num_sms: int | None = None,

@@ -49,10 +49,10 @@ def query_block_tokens(max_query_len: int, group_padded: int, requested: int | N
     return max(tokens, max(1, tiles.MIN_DOT_ROWS // group_padded))
 
 
-def chunk_rows(padded_head_dim: int, dtype_bytes: int) -> int:
-    """Rows (tokens × padded group) of a prefill-chunk query block: 128 as in prefill (each K/V tile read serves
-    twice the rows of a 64-row block), 64 where a 128-row float32 accumulator would spill (float32, 256-wide)."""
-    return 64 if (padded_head_dim >= 256 or dtype_bytes >= 4) else 128
+def two_launches(max_query_len: int, cfg: config_lib.DecodeConfig) -> bool:
+    """Prefill chunks may be in the batch (and no fixed ``block_q`` asks for one launch): short queries and chunks
+    run in separate launches with their own tiles."""
+    return max_query_len > SHORT_QUERY_LEN and cfg.block_q is None
 
 
 def _query_blocks(cu_query_lens, block_q: int, num_blocks: int, query_class: str | None = None):
@@ -166,13 +166,13 @@ def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, 
     partial = num_splits > 1
     out_rows = (num_splits if partial else 1) * num_tokens * num_q_heads
     cache_rows = num_blocks * block_size * num_kv_heads
-    if max_query_len <= SHORT_QUERY_LEN or cfg.block_q is not None:
+    if not two_launches(max_query_len, cfg):
         block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
         passes = [(block_q, pl.cdiv(num_tokens, block_q) + num_seqs, None, cfg)]
     else:
         short_q = query_block_tokens(SHORT_QUERY_LEN, group_padded, None)
         long_q = query_block_tokens(max_query_len, group_padded, chunk_cfg.block_q,
-                                    chunk_rows(padded, q.dtype.itemsize))
+                                    config_lib.chunk_rows(head_dim, q.dtype.itemsize))
         passes = [(short_q, num_seqs * pl.cdiv(SHORT_QUERY_LEN, short_q) + 1, "short", cfg),  # + 1 zeroes padding
                   (long_q, pl.cdiv(num_tokens, long_q) + num_seqs, "long", chunk_cfg)]
 
@@ -259,7 +259,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     chunk_cfg = chunk_config or config_lib.default_chunk_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     group_padded = config_lib.next_pow2(q.shape[1] // k_cache.shape[2])
     block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
-    two_pass = max_query_len > SHORT_QUERY_LEN and cfg.block_q is None
+    two_pass = two_launches(max_query_len, cfg)
     # Fixed split_size segments must be whole tiles of both passes (block_n are powers of two: the max divides).
     split_block_n = max(cfg.block_n, chunk_cfg.block_n) if two_pass else cfg.block_n
     if split_size is not None and two_pass and split_size % split_block_n:
