@@ -106,11 +106,8 @@ def test_decode_matches_reference(contexts, hq_hkv, head_dim, block_size, split,
 
 
 # --------------------------------------------------------------------------------------------- ragged paged
-@PROFILE
-@given(requests=st.lists(st.tuples(st.integers(0, 16), st.integers(0, 500)), min_size=1, max_size=NUM_SEQS),
-       hq_hkv=heads(), head_dim=head_dims, block_size=block_sizes, split=splits, seed=seeds)
-def test_paged_matches_reference(requests, hq_hkv, head_dim, block_size, split, seed):
-    """requests: (q_len, context_len) each; seq_len = context_len + q_len."""
+def _check_paged(requests, hq_hkv, head_dim, block_size, split, seed, *, max_query_len):
+    """One ragged batch of ``(q_len, context_len)`` requests (padded to NUM_SEQS) against the reference."""
     hq, hkv = hq_hkv
     rng = np.random.default_rng(seed)
     requests = _pad_requests(requests, (0, 0))
@@ -118,12 +115,20 @@ def test_paged_matches_reference(requests, hq_hkv, head_dim, block_size, split, 
     seq_lens = [n + c for n, c in requests]
     kc, vc, bt = _paged_cache(rng, seq_lens, block_size, hkv, head_dim)
     total = sum(q_lens)
-    q, cu = random_packed(rng, q_lens, hq, head_dim, jnp.float32, pad_to=bucket(total + 1, 16))
+    q, cu = random_packed(rng, q_lens, hq, head_dim, jnp.float32, pad_to=bucket(total + 1, max_query_len))
     sl = jnp.asarray(seq_lens, jnp.int32)
-    out, lse = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=16, return_lse=True, config=DECODE,
+    out, lse = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=max_query_len, return_lse=True, config=DECODE,
                                **SPLITS[split])
     ref_out, ref_lse = reference.paged_attention(q, kc, vc, bt, sl, cu, return_lse=True)
     _check(out, lse, ref_out, ref_lse, total)
+
+
+@PROFILE
+@given(requests=st.lists(st.tuples(st.integers(0, 16), st.integers(0, 500)), min_size=1, max_size=NUM_SEQS),
+       hq_hkv=heads(), head_dim=head_dims, block_size=block_sizes, split=splits, seed=seeds)
+def test_paged_matches_reference(requests, hq_hkv, head_dim, block_size, split, seed):
+    """requests: (q_len, context_len) each; seq_len = context_len + q_len."""
+    _check_paged(requests, hq_hkv, head_dim, block_size, split, seed, max_query_len=16)
 
 
 @PROFILE
@@ -133,21 +138,9 @@ def test_paged_matches_reference(requests, hq_hkv, head_dim, block_size, split, 
 def test_paged_mixed_with_chunks_matches_reference(requests, chunk, at, hq_hkv, block_size, split, seed):
     """Queries up to 40 tokens under max_query_len=64, at least one a chunk (q_len > 16): the two-launch path (short
     queries under ``config``, chunks under the default ``chunk_config``) into one output."""
-    hq, hkv = hq_hkv
-    rng = np.random.default_rng(seed)
     requests = list(requests)
     requests.insert(min(at, len(requests)), chunk)
-    requests = _pad_requests(requests, (0, 0))
-    q_lens = [n for n, _ in requests]
-    seq_lens = [n + c for n, c in requests]
-    kc, vc, bt = _paged_cache(rng, seq_lens, block_size, hkv, 32)
-    total = sum(q_lens)
-    q, cu = random_packed(rng, q_lens, hq, 32, jnp.float32, pad_to=bucket(total + 1, 64))
-    sl = jnp.asarray(seq_lens, jnp.int32)
-    out, lse = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=64, return_lse=True, config=DECODE,
-                               **SPLITS[split])
-    ref_out, ref_lse = reference.paged_attention(q, kc, vc, bt, sl, cu, return_lse=True)
-    _check(out, lse, ref_out, ref_lse, total)
+    _check_paged(requests, hq_hkv, 32, block_size, split, seed, max_query_len=64)
 
 
 # -------------------------------------------------------------------------------------------------- sparse
