@@ -29,8 +29,11 @@ its valid rows come out NaN: the last K/V tile is loaded whole by TMA, and a mas
 NaN — K is safe (masked scores are replaced by -inf), V is not. To fix: the memory warpgroup zeroes the V rows past
 the request in the last tile's slot and then signals a "ready" barrier the masked steps wait on. And runs hang
 intermittently — the same input passes or blocks in a barrier
-wait from one run to the next — so either this kernel races or the interpreter does. Not yet resolved. Never
-compiled or timed on the H200. Interpreter limits met on the way (jax 0.11.2): wgmma's A operand must be in shared
+wait from one run to the next — so either this kernel races or the interpreter does. Not yet resolved. It does
+not lower for CUDA yet either (checked on a CPU with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``):
+the row ladder's ``copy_smem_to_gmem`` fails in ``memref.subview`` ("must be a Sequence of Values"). Never
+compiled or timed on the H200. The tile bounds, the online-softmax step, the two tile loops and the finalisation
+are the shared ones of :mod:`pallas_attn.masks` and :mod:`pallas_attn.softmax`. Interpreter limits met on the way (jax 0.11.2): wgmma's A operand must be in shared
 memory, pl.run_state with a pre-initialised accumulator does not run, copy_smem_to_gmem takes no predicate, and
 (apparently) a barrier completion that no thread waits for breaks the next grid point, hence the releases guarded
 by "refill". Run it with ``experimental/check_prefill_mgpu.py``.
@@ -39,7 +42,6 @@ by "refill". Run it with ``experimental/check_prefill_mgpu.py``.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +49,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn import softmax  # noqa: E402 (run from the repository root)
+from pallas_attn import masks, softmax
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 COMPUTE_WGS = 2  # two query heads of one KV group per program
-LN2 = math.log(2.0)
 
 
 def supported(q, k) -> str | None:
@@ -72,15 +73,15 @@ def _block_kv(head_dim: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
-def _store_rows(src_smem, dst_rows, num_rows, *, max_rows: int):
-    """TMA-store rows ``[0, num_rows)`` of ``src_smem`` to ``dst_rows(offset, size)`` with boxes of 64, 32, …, 1
+def _store_rows(src_rows, dst_rows, num_rows, *, max_rows: int):
+    """TMA-store rows ``[0, num_rows)`` of ``src_rows(offset, size)`` to ``dst_rows(offset, size)`` with boxes of 64, 32, …, 1
     rows (TMA boxes are static; the bits of ``num_rows`` pick which ones run)."""
     offset = jnp.int32(0)
     size = max_rows
     while size >= 1:
         take = (num_rows & size) != 0
-        pl.when(take)(functools.partial(lambda o, n: plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(o, n)],
-                                                                             dst_rows(o, n)), offset, size))
+        pl.when(take)(functools.partial(lambda o, n: plgpu.copy_smem_to_gmem(src_rows(o, n), dst_rows(o, n)),
+                                        offset, size))
         offset = offset + jnp.where(take, size, 0)
         size //= 2
 
@@ -101,10 +102,7 @@ def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: in
     q0 = m * BLOCK_Q  # request-local first query of the tile
     live = (b < num_seqs) & (q0 < seq_len)
     q_end = jnp.minimum(q0 + BLOCK_Q, seq_len)
-    kv_len = q_end if causal else seq_len
-    kv_steps = pl.cdiv(kv_len, block_kv)
-    # ■ tiles: every key before the tile's first query (causal) or inside the request (not causal).
-    full_steps = lax.div(q0 if causal else seq_len, jnp.int32(block_kv))
+    full_steps, kv_steps = masks.kv_tile_ranges(q0, q_end - 1, seq_len, block_kv, causal=causal)
 
     @pl.when(live & (wg < COMPUTE_WGS))
     def _compute():
@@ -116,8 +114,21 @@ def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: in
         l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        def step(j, carry, masked: bool):
-            acc, m_i, l_i = carry
+        def pv_dot(p16, v_slot):
+            """``P @ V`` for softmax.online_softmax_step: a fresh accumulator, not wgmma into a pre-initialised one
+            (pl.run_state), which the Mosaic GPU interpreter cannot run; one code path on CPU and GPU."""
+            if p_smem is not None:  # interpret mode: the interpreter takes wgmma's A operand from shared memory only
+                p_smem.at[wg][...] = p16
+                plgpu.commit_smem()
+                p16 = p_smem.at[wg]
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_slot)
+                return acc_ref[...]
+
+            return pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+
+        def step(j, state, masked: bool):
             slot = lax.rem(j, jnp.int32(mcs))
             plgpu.barrier_wait(k_bar.at[slot])
 
@@ -125,52 +136,30 @@ def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: in
                 plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+            s2 = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32)) * scale2
             # Release the slot only when the memory warpgroup will refill it (it waits for exactly those steps): a
             # completion nobody waits for would leave the barrier a phase ahead.
             refill = j + mcs < kv_steps
             pl.when(refill)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
-            s = s * scale2  # log2 domain: exp2(s - m) == exp((qk - m') * scale)
-            if masked:
+            if masked:  # request-local positions, in the wgmma register layout
                 rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA) + q0
                 cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1,
                                               layout=plgpu.Layout.WGMMA) + j * block_kv
-                s = jnp.where((cols <= rows) if causal else (cols < seq_len), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no key yet: exp2(-inf - 0) = 0, no NaN
-            alpha = jnp.exp2(m_i - m_ref)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_ref, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                s2 = jnp.where((cols <= rows) if causal else (cols < seq_len), s2, -jnp.inf)
             plgpu.barrier_wait(v_bar.at[slot])
-
-            p16 = p.astype(dtype)
-            if p_smem is not None:  # interpret mode: the interpreter takes wgmma's A operand from shared memory only
-                p_smem.at[wg][...] = p16
-                plgpu.commit_smem()
-                p16 = p_smem.at[wg]
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                return acc_ref[...]
-
-            # A fresh accumulator plus an add, not wgmma into a pre-initialised one (pl.run_state): the Mosaic GPU
-            # interpreter cannot run the latter, and one code path is tested on CPU and compiled on the GPU.
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+            state = softmax.online_softmax_step(state, s2, v_smem.at[slot], pv_dot)
             pl.when(refill)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
-            return acc, m_new, l_i
+            return state
 
-        carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), (acc, m_i, l_i))
-        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
-
-        l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-        o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+        state = softmax.kv_loop((acc, m_i, l_i), 0, full_steps, kv_steps, step)
+        out, lse = softmax.finalize(state)
+        o_smem.at[wg][...] = out.astype(dtype)
         if lse_ref is not None:
-            lse_smem.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+            lse_smem.at[wg][...] = lse
         plgpu.commit_smem()
         row0 = seq_start + q0
-        _store_rows(o_smem.at[wg], lambda off, n: o_ref.at[pl.ds(row0 + off, n), q_head], q_end - q0,
-                    max_rows=BLOCK_Q)
+        _store_rows(lambda off, n: o_smem.at[wg, pl.ds(off, n)],
+                    lambda off, n: o_ref.at[pl.ds(row0 + off, n), q_head], q_end - q0, max_rows=BLOCK_Q)
         if lse_ref is not None:
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, q_head, pl.ds(q0, BLOCK_Q)])
         plgpu.wait_smem_to_gmem(0)
@@ -205,7 +194,8 @@ def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: in
         @pl.loop(0, pl.cdiv(jnp.maximum(num_tokens - first, 0), stride))
         def _zero(i):
             row0 = first + i * stride
-            _store_rows(o_smem.at[wg], lambda off, n: o_ref.at[pl.ds(row0 + off, n), q_head],
+            _store_rows(lambda off, n: o_smem.at[wg, pl.ds(off, n)],
+                        lambda off, n: o_ref.at[pl.ds(row0 + off, n), q_head],
                         jnp.minimum(BLOCK_Q, num_tokens - row0), max_rows=BLOCK_Q)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
