@@ -22,21 +22,21 @@ Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barri
 TMA reads past the end of an array, where the hardware zero-fills, so there the inputs get one tile of padding rows
 first.
 
-Status (2026-11-30, work in progress, not part of the package): written and run only in the Mosaic GPU
-interpreter on a CPU. Without padding rows, when an interpreted run completes it matches the reference (bf16
-relative L2 1.8e-3: one request of 64 or 70 tokens, Hq 2, Hkv 1, D 64). With NaN-poisoned rows after a request
-its valid rows come out NaN: the last K/V tile is loaded whole by TMA, and a masked P (0) times a NaN V row is
-NaN — K is safe (masked scores are replaced by -inf), V is not. To fix: the memory warpgroup zeroes the V rows past
-the request in the last tile's slot and then signals a "ready" barrier the masked steps wait on. And runs hang
-intermittently — the same input passes or blocks in a barrier
-wait from one run to the next — so either this kernel races or the interpreter does. Not yet resolved. It does
-not lower for CUDA yet either (checked on a CPU with ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``):
-the row ladder's ``copy_smem_to_gmem`` fails in ``memref.subview`` ("must be a Sequence of Values"). Never
-compiled or timed on the H200. The tile bounds, the online-softmax step, the two tile loops and the finalisation
-are the shared ones of :mod:`pallas_attn.masks` and :mod:`pallas_attn.softmax`. Interpreter limits met on the way (jax 0.11.2): wgmma's A operand must be in shared
+Status (2026-11-30, work in progress, not part of the package): written and run only in the Mosaic GPU interpreter
+on a CPU. Without padding rows, when an interpreted run completes it matches the reference (bf16 relative L2 1.8e-3:
+one request of 64 or 70 tokens, Hq 2, Hkv 1, D 64). With NaN-poisoned rows after a request its valid rows come out
+NaN: the last K/V tile is loaded whole by TMA, and a masked P (0) times a NaN V row is NaN — K is safe (masked
+scores are replaced by -inf), V is not. To fix: the memory warpgroup zeroes the V rows past the request in the last
+tile's slot and then signals a "ready" barrier the masked steps wait on. And runs hang intermittently — the same
+input passes or blocks in a barrier wait from one run to the next — so either this kernel races or the interpreter
+does. Not yet resolved. It does not lower for CUDA yet either (checked on a CPU with
+``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``): the row ladder's ``copy_smem_to_gmem`` fails in
+``memref.subview`` ("must be a Sequence of Values"). Never compiled or timed on the H200. The tile bounds, the
+online-softmax step, the two tile loops and the finalisation are the shared ones of :mod:`pallas_attn.masks` and
+:mod:`pallas_attn.softmax`. Interpreter limits met on the way (jax 0.11.2): wgmma's A operand must be in shared
 memory, pl.run_state with a pre-initialised accumulator does not run, copy_smem_to_gmem takes no predicate, and
-(apparently) a barrier completion that no thread waits for breaks the next grid point, hence the releases guarded
-by "refill". Run it with ``experimental/check_prefill_mgpu.py``.
+(apparently) a barrier completion that no thread waits for breaks the next grid point, hence the releases guarded by
+"refill". Run it with ``experimental/check_prefill_mgpu.py``.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def _block_kv(head_dim: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- kernel body
 def _store_rows(src_rows, dst_rows, num_rows, *, max_rows: int):
-    """TMA-store rows ``[0, num_rows)`` of ``src_rows(offset, size)`` to ``dst_rows(offset, size)`` with boxes of 64, 32, …, 1
-    rows (TMA boxes are static; the bits of ``num_rows`` pick which ones run)."""
+    """TMA-store rows ``[0, num_rows)`` of ``src_rows(offset, size)`` to ``dst_rows(offset, size)`` with boxes of
+    64, 32, …, 1 rows (TMA boxes are static; the bits of ``num_rows`` pick which ones run)."""
     offset = jnp.int32(0)
     size = max_rows
     while size >= 1:
