@@ -55,6 +55,29 @@ def two_launches(max_query_len: int, cfg: config_lib.DecodeConfig) -> bool:
     return max_query_len > SHORT_QUERY_LEN and cfg.block_q is None
 
 
+def launch_splits(q_shape, dtype_bytes: int, cache_shape, table_shape, max_query_len: int,
+                  cfg: config_lib.DecodeConfig, chunk_cfg: config_lib.DecodeConfig) -> tuple[tuple[int, int | None], int]:
+    """Split-KV heuristics per launch of a two-launch batch: ``((num_splits, split_size) of the short queries,
+    num_splits of the chunks)``.
+
+    Short queries are memory-bound like decode: :func:`~pallas_attn.config.resolve_splits` over one program per
+    request and KV head (a short request is one query block), tail-balancing included. Chunks are compute-bound:
+    they split only when their programs cannot fill the GPU (:func:`~pallas_attn.config.choose_num_splits`), never
+    for tail balance (their partial states would cost a write and a read of every chunk row). Counting all of a
+    mixed batch's tokens as one launch's programs — M1 counts 2,152 — would leave its decodes unsplit.
+    """
+    num_tokens, num_q_heads, head_dim = q_shape
+    _, block_size, num_kv_heads, _ = cache_shape
+    num_seqs, max_blocks = table_shape
+    capacity = max_blocks * block_size
+    short = config_lib.resolve_splits(num_seqs * num_kv_heads, capacity, cfg.block_n, None, None)
+    long_q = query_block_tokens(max_query_len, config_lib.next_pow2(num_q_heads // num_kv_heads), chunk_cfg.block_q,
+                                config_lib.chunk_rows(head_dim, dtype_bytes))
+    chunk_splits = config_lib.choose_num_splits(pl.cdiv(num_tokens, long_q) * num_kv_heads, capacity,
+                                                chunk_cfg.block_n)
+    return short, chunk_splits
+
+
 def _query_blocks(cu_query_lens, block_q: int, num_blocks: int, query_class: str | None = None):
     """Map each of the static ``num_blocks`` query blocks to ``(request, first local token)``; -1 past the end.
 
@@ -88,24 +111,36 @@ def _ragged_kernel(
     q_ref,  # [T * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
-    *refs,  # [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o_ref, lse_ref
-    zero_padding: bool, num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-    group_padded: int, block_q: int, max_blocks: int, block_size: int, block_n: int, num_splits: int,
-    split_size: int | None, scale2: float, precision,
+    *refs,  # [merge inputs], [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o, lse
+    zero_padding: bool, compact: bool, merge: tuple | None, num_seqs: int, num_tokens: int, num_q_heads: int,
+    num_kv_heads: int, head_dim: int, group_padded: int, block_q: int, max_blocks: int, block_size: int,
+    block_n: int, num_splits: int, split_size: int | None, scale2: float, precision,
 ):
+    """``compact``: write f32 partial states tile by tile into ``[num_splits, num_q_blocks, Hkv, M, Dp]`` (a later
+    launch merges them) instead of token rows. ``merge = (merge_blocks, merge_block_q, merge_splits)``: programs
+    ``num_q_blocks + i`` of axis 0 merge the compact partials of the earlier launch's query block ``i`` into the
+    output rows; the merge inputs are that launch's ``block_req, block_first`` and its partial ``o, lse``."""
     o_ref, lse_ref = refs[-2:]  # [T * Hq, Dp] or [num_splits * T * Hq, Dp] (f32 partials); f32[...] LSE
     p, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_q_blocks = block_req_ref.shape[0]
     group = num_q_heads // num_kv_heads
     cols = tiles.Cols(head_dim, q_ref.shape[-1])
     r = jnp.arange(block_q * group_padded)
     tok_in_block = r // group_padded
     g = r % group_padded
     out_base = split * num_tokens * num_q_heads
-    req = block_req_ref[p]
+    req = block_req_ref[jnp.minimum(p, num_q_blocks - 1)]
     # Masked rows get distinct out-of-range indices (see tiles.store_rows).
     oob = num_tokens * num_q_heads + r
 
-    @pl.when(req >= 0)
+    if merge is not None:
+        @pl.when(p >= num_q_blocks)
+        def _merge():
+            _merge_partials(p - num_q_blocks, kv_head, cu_query_lens_ref, *refs[:4], o_ref, lse_ref, cols=cols,
+                            merge=merge, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                            group_padded=group_padded)
+
+    @pl.when((req >= 0) & (p < num_q_blocks))
     def _attend():
         q_start = cu_query_lens_ref[req]
         q_len = cu_query_lens_ref[req + 1] - q_start
@@ -127,16 +162,21 @@ def _ragged_kernel(
                                    scale2=scale2, dot=dot)
         state = softmax.kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end, step)
         out, lse = softmax.finalize(state)
-        tiles.store_rows(o_ref, out_base + q_rows, cols, out, row_valid)
-        tiles.store_vector(lse_ref, out_base + q_rows, lse, row_valid)
+        if compact:  # the whole tile, invalid rows included: the merge reads only valid ones
+            rows = ((split * num_q_blocks + p) * num_kv_heads + kv_head) * r.shape[0] + r
+            tiles.store_rows(o_ref, rows, cols, out)
+            tiles.store_vector(lse_ref, rows, lse)
+        else:
+            tiles.store_rows(o_ref, out_base + q_rows, cols, out, row_valid)
+            tiles.store_vector(lse_ref, out_base + q_rows, lse, row_valid)
 
     if not zero_padding:  # a later pass: the first one zeroed the padding rows
         return
 
-    @pl.when(req < 0)
+    @pl.when((req < 0) & (p < num_q_blocks))
     def _zero_padding():  # rows [cu_query_lens[-1], T): zeros and -inf, so they are finite without a second pass
         pad_block = -1 - req
-        num_pad_blocks = pl.num_programs(0) - (p - pad_block)
+        num_pad_blocks = num_q_blocks - (p - pad_block)
         stride = num_pad_blocks * block_q
         first = cu_query_lens_ref[num_seqs] + pad_block * block_q
 
@@ -151,59 +191,118 @@ def _ragged_kernel(
         jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(num_tokens - first, 0), stride), zero, 0)
 
 
+def _merge_partials(i, kv_head, cu_query_lens_ref, block_req_ref, block_first_ref, part_o_ref, part_lse_ref,
+                    o_ref, lse_ref, *, cols, merge: tuple, num_tokens: int, num_q_heads: int, num_kv_heads: int,
+                    group_padded: int):
+    """Merge the ``merge_splits`` compact partial states of query block ``i`` (of the launch that wrote them) into
+    its output rows: seed §12's reduction for the rows of one launch, run by programs of the next one."""
+    merge_blocks, block_q, num_splits = merge
+    req = block_req_ref[i]
+    r = jnp.arange(block_q * group_padded)
+    group = num_q_heads // num_kv_heads
+
+    @pl.when(req >= 0)
+    def _():
+        q_start = cu_query_lens_ref[req]
+        tok = block_first_ref[i] + r // group_padded
+        g = r % group_padded
+        row_valid = (tok < cu_query_lens_ref[req + 1] - q_start) & (g < group)
+        rows = jnp.where(row_valid, (q_start + tok) * num_q_heads + kv_head * group + g, num_tokens * num_q_heads + r)
+        tile = lambda s: ((s * merge_blocks + i) * num_kv_heads + kv_head) * r.shape[0] + r  # noqa: E731
+        m = jax.lax.fori_loop(0, num_splits, lambda s, m: jnp.maximum(m, tiles.load_vector(part_lse_ref, tile(s))),
+                              jnp.full(r.shape, -jnp.inf, jnp.float32))
+        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+
+        def fold(s, carry):  # the order of merge_attention_states: a left fold over splits, empty ones ignored
+            num, den = carry
+            w = jnp.exp(tiles.load_vector(part_lse_ref, tile(s)) - m_safe)
+            o = tiles.load_rows(part_o_ref, tile(s), cols)
+            return num + jnp.where((w > 0)[:, None], w[:, None] * o, 0.0), den + w
+
+        num, den = jax.lax.fori_loop(0, num_splits, fold, (jnp.zeros((r.shape[0], part_o_ref.shape[-1]), jnp.float32),
+                                                           jnp.zeros(r.shape, jnp.float32)))
+        empty = den == 0.0
+        tiles.store_rows(o_ref, rows, cols, num / jnp.where(empty, 1.0, den)[:, None], row_valid)
+        tiles.store_vector(lse_ref, rows, jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, den))),
+                           row_valid)
+
+
 # -------------------------------------------------------------------------------------------- pallas_call
 def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len, scale, num_splits,
-                 split_size, interpret, cfg: config_lib.DecodeConfig, chunk_cfg: config_lib.DecodeConfig):
+                 split_size, interpret, cfg: config_lib.DecodeConfig, chunk_cfg: config_lib.DecodeConfig,
+                 short_splits: tuple[int, int | None] | None = None):
     """One launch when every query is short (decode / verification) or ``config.block_q`` is fixed; otherwise two
     launches into one output — short queries in small tiles under ``cfg``, prefill chunks in prefill-sized tiles
     under ``chunk_cfg`` — so decode rows do not pay for 128-row tiles and chunks do not run at decode intensity.
-    The second launch aliases the first one's output and writes only its own rows."""
+    The second launch aliases the first one's output and writes only its own rows.
+
+    ``short_splits = (num_splits, split_size)`` (two launches, the chunks unsplit: ``num_splits == 1``) splits the
+    short queries' launch on its own: it writes compact partial states and extra programs of the chunk launch merge
+    them into the output rows, so the chunk rows never go through a split buffer or the merge."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
     group_padded = config_lib.next_pow2(num_q_heads // num_kv_heads)
     padded = config_lib.next_pow2(head_dim)
-    partial = num_splits > 1
-    out_rows = (num_splits if partial else 1) * num_tokens * num_q_heads
     cache_rows = num_blocks * block_size * num_kv_heads
+    # pass: (block_q, num_q_blocks, query class, config, (num_splits, split_size), compact partial output)
     if not two_launches(max_query_len, cfg):
         block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
-        passes = [(block_q, pl.cdiv(num_tokens, block_q) + num_seqs, None, cfg)]
+        passes = [(block_q, pl.cdiv(num_tokens, block_q) + num_seqs, None, cfg, (num_splits, split_size), False)]
     else:
         short_q = query_block_tokens(SHORT_QUERY_LEN, group_padded, None)
         long_q = query_block_tokens(max_query_len, group_padded, chunk_cfg.block_q,
                                     config_lib.chunk_rows(head_dim, q.dtype.itemsize))
-        passes = [(short_q, num_seqs * pl.cdiv(SHORT_QUERY_LEN, short_q) + 1, "short", cfg),  # + 1 zeroes padding
-                  (long_q, pl.cdiv(num_tokens, long_q) + num_seqs, "long", chunk_cfg)]
+        compact = short_splits is not None and short_splits[0] > 1
+        if compact and num_splits != 1:
+            raise ValueError(f"short_splits needs an unsplit chunk launch, got {num_splits=}")
+        passes = [(short_q, num_seqs * pl.cdiv(SHORT_QUERY_LEN, short_q) + 1, "short", cfg,  # + 1 zeroes padding
+                   short_splits if compact else (num_splits, split_size), compact),
+                  (long_q, pl.cdiv(num_tokens, long_q) + num_seqs, "long", chunk_cfg, (num_splits, split_size), False)]
 
-    full = lambda n: pl.BlockSpec((n, padded), lambda *_: (0, 0))
-    vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
+    full = lambda n, w=padded: pl.BlockSpec((n, w), lambda *_: (0, 0))  # noqa: E731
+    vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))  # noqa: E731
     args = (cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim),
             k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
-    prev = ()
-    for i, (block_q, num_q_blocks, query_class, pass_cfg) in enumerate(passes):
+    prev, merge_in = (), None  # the last launch's token-row outputs; compact partials awaiting their merge
+    for block_q, num_q_blocks, query_class, pass_cfg, (splits, size), compact in passes:
+        rows_per_tile = block_q * group_padded
+        out_rows = (splits * num_q_blocks * num_kv_heads * rows_per_tile if compact
+                    else (splits if splits > 1 else 1) * num_tokens * num_q_heads)
         block_req, block_first = _query_blocks(cu_query_lens, block_q, num_q_blocks, query_class)
-        kernel = functools.partial(
-            _ragged_kernel, zero_padding=i == 0, num_seqs=num_seqs, num_tokens=num_tokens, num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, group_padded=group_padded, block_q=block_q,
-            max_blocks=max_blocks, block_size=block_size, block_n=pass_cfg.block_n, num_splits=num_splits,
-            split_size=split_size, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype))
+        merge = None
         in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs),
                     vec(num_seqs * max_blocks), full(num_tokens * num_q_heads), full(cache_rows), full(cache_rows)]
+        extra = []
+        if merge_in is not None:
+            m_req, m_first, m_o, m_lse, merge = merge_in
+            in_specs += [vec(m_req.shape[0]), vec(m_req.shape[0]), full(m_o.shape[0]), vec(m_lse.shape[0])]
+            extra += [m_req, m_first, m_o, m_lse]
         if prev:
-            in_specs += [full(out_rows), vec(out_rows)]
-        prev = pl.pallas_call(
+            in_specs += [full(prev[0].shape[0]), vec(prev[1].shape[0])]
+        kernel = functools.partial(
+            _ragged_kernel, zero_padding=not compact and not prev, compact=compact, merge=merge, num_seqs=num_seqs,
+            num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            group_padded=group_padded, block_q=block_q, max_blocks=max_blocks, block_size=block_size,
+            block_n=pass_cfg.block_n, num_splits=splits, split_size=size, scale2=scale * softmax.LOG2E,
+            precision=tiles.dot_precision(q.dtype))
+        outs = pl.pallas_call(
             kernel,
-            grid=(num_q_blocks, num_kv_heads, num_splits),
+            grid=(num_q_blocks + (merge[0] if merge else 0), num_kv_heads, splits),
             in_specs=in_specs,
             out_specs=[full(out_rows), vec(out_rows)],
-            out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
+            out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if splits > 1 else q.dtype),
                        jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
-            input_output_aliases={8: 0, 9: 1} if prev else {},
+            input_output_aliases={len(in_specs) - 2: 0, len(in_specs) - 1: 1} if prev else {},
             compiler_params=plgpu.CompilerParams(num_warps=pass_cfg.num_warps, num_stages=pass_cfg.num_stages),
             interpret=interpret,
-            name=f"ragged_paged_d{head_dim}_bs{block_size}_q{block_q}" + ("_split" if partial else ""),
-        )(block_req, block_first, *args, *prev)
+            name=f"ragged_paged_d{head_dim}_bs{block_size}_q{block_q}" + ("_split" if splits > 1 else "")
+            + ("_merge" if merge else ""),
+        )(block_req, block_first, *args, *extra, *prev)
+        if compact:
+            merge_in = (block_req, block_first, *outs, (num_q_blocks, block_q, splits))
+        else:
+            prev = tuple(outs)
     out, lse = prev
     return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype)
 
@@ -266,13 +365,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         raise ValueError(f"{split_size=} must be a multiple of both passes' KV tiles (config.block_n={cfg.block_n}, "
                          f"chunk_config.block_n={chunk_cfg.block_n}) when max_query_len={max_query_len} > "
                          f"{SHORT_QUERY_LEN}; pass a larger split_size or a chunk_config with a smaller block_n")
-    work_blocks = max(block_tables.shape[0], pl.cdiv(q.shape[0], block_q))
-    splits, split_size = config_lib.resolve_splits(work_blocks * k_cache.shape[2],
-                                                   block_tables.shape[1] * k_cache.shape[1], split_block_n,
-                                                   num_splits, split_size)
+    capacity = block_tables.shape[1] * k_cache.shape[1]
+    short_splits = None
+    if two_pass and num_splits is None and split_size is None:
+        short_splits, chunk_splits = launch_splits(q.shape, q.dtype.itemsize, k_cache.shape, block_tables.shape,
+                                                   max_query_len, cfg, chunk_cfg)
+    if short_splits is not None and chunk_splits == 1:
+        splits = 1
+    else:  # one launch, a split size given, or chunks that split: one split plan for every row
+        short_splits = None
+        work_blocks = max(block_tables.shape[0], pl.cdiv(q.shape[0], block_q))
+        splits, split_size = config_lib.resolve_splits(work_blocks * k_cache.shape[2], capacity, split_block_n,
+                                                       num_splits, split_size)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len=max_query_len,
                             scale=float(scale), num_splits=splits, split_size=split_size,
                             interpret=backend.resolve_interpret(interpret), cfg=cfg,
-                            chunk_cfg=chunk_cfg)
+                            chunk_cfg=chunk_cfg, short_splits=short_splits)
     return (out, lse) if return_lse else out

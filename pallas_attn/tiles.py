@@ -55,6 +55,11 @@ def store_rows(ref, rows, cols: Cols, value, row_mask=None):
     plgpu.store(ref.at[rows[:, None], cols.idx[None, :]], value.astype(ref.dtype), mask=cols.with_rows(row_mask))
 
 
+def load_vector(ref, rows, row_mask=None):
+    """``ref[rows]`` of a 1-D ref (LSE); masked rows read as 0."""
+    return plgpu.load(ref.at[rows], mask=row_mask, other=0 if row_mask is not None else None)
+
+
 def store_vector(ref, rows, value, row_mask=None):
     """``ref[rows] = value`` for a 1-D ref (LSE)."""
     plgpu.store(ref.at[rows], value.astype(ref.dtype), mask=row_mask)

@@ -107,6 +107,13 @@ if "M1" in which:  # DESIGN.md §4 M1: 4 chunks of 512 over 4096 + 56 decodes 1k
     for cc in CHUNK:
         f = jax.jit(lambda q, kc, vc, bt, s, cu: paged_attention(q, kc, vc, bt, s, cu, max_query_len=512, chunk_config=cc))
         ms = timeit(f, q, kc, vc, bt, s, cu); rec("M1", "pallas_attn", cc, ms, nbytes / ms / 1e6, "GB/s")
+    from pallas_attn import paged, config as config_lib  # the short launch's own split, forced (chunks unsplit)
+    cfg0, ccfg = config_lib.default_decode_config(D, 16, 2), config_lib.default_chunk_config(D, 16, 2)
+    for ss in [(1, None), (2, 4096), (4, 2048), (8, 1024)]:
+        f = jax.jit(lambda q, kc, vc, bt, s, cu: paged._ragged_call(
+            q, kc, vc, bt, s, cu, max_query_len=512, scale=D ** -0.5, num_splits=1, split_size=None, interpret=False,
+            cfg=cfg0, chunk_cfg=ccfg, short_splits=ss)[0])
+        ms = timeit(f, q, kc, vc, bt, s, cu); rec("M1", f"pallas_attn short_splits={ss}", "", ms, nbytes / ms / 1e6, "GB/s")
     start = 0  # each group alone (the parts), with the default chunk config
     for name, (lens, n) in groups.items():
         idx = np.arange(start, start + len(lens)); start += len(lens)

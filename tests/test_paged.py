@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import (DecodeConfig, allocate_kv_cache, build_metadata, paged_attention, paged_decode_attention,
-                         reference, write_kv_cache)
+from pallas_attn import (DecodeConfig, allocate_kv_cache, build_metadata, config, paged, paged_attention,
+                         paged_decode_attention, reference, write_kv_cache)
 from pallas_attn.testing import assert_attention_close, make_paged_kv
 
 SMALL = DecodeConfig(block_n=16)
@@ -65,6 +65,36 @@ def test_splits_on_off_agree(rng):
             for kw in (dict(num_splits=1), dict(num_splits=4), dict(split_size=32), dict())]
     for o in outs[1:]:
         np.testing.assert_allclose(o, outs[0], rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("split", [dict(num_splits=3), dict(split_size=32)])
+@pytest.mark.parametrize("layout", ["bs16_gqa4", "bs64_gqa8_bf16"])
+def test_short_launch_splits_on_its_own(split, layout, rng):
+    """Two launches, only the short queries split: compact partials merged by the chunk launch's extra programs."""
+    q_lens, seq_lens = BATCHES["mixed"]
+    bs, hq, hkv, d, dtype = LAYOUTS[layout]
+    args = _inputs(rng, q_lens, seq_lens, bs, hq, hkv, d, dtype)
+    short_splits = config.resolve_splits(1, args[3].shape[1] * bs, SMALL.block_n, split.get("num_splits"),
+                                         split.get("split_size"))
+    out, lse = paged._ragged_call(*args, max_query_len=32, scale=d ** -0.5, num_splits=1, split_size=None,
+                                  interpret=True, cfg=SMALL, chunk_cfg=SMALL, short_splits=short_splits)
+    _check(out, lse, args, dtype, q_lens)
+    whole = paged_attention(*args, max_query_len=32, config=SMALL, num_splits=1)
+    assert_attention_close(out, whole, dtype=dtype, valid_rows=sum(q_lens))
+
+
+def test_mixed_batch_splits_per_launch():
+    """M1's shapes (68 requests, 2,152 tokens, 8,192-key capacity): the decodes split for tail balance, the chunks
+    do not, and the traced call merges the short launch inside the chunk launch."""
+    cfg, chunk_cfg = config.default_decode_config(128, 16, 2), config.default_chunk_config(128, 16, 2)
+    (splits, size), chunk_splits = paged.launch_splits((2152, 32, 128), 2, (9000, 16, 8, 128), (68, 512), 512,
+                                                       cfg, chunk_cfg)
+    assert splits > 1 and size % cfg.block_n == 0 and chunk_splits == 1
+    shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((2152, 32, 128), jnp.bfloat16), ((9000, 16, 8, 128), jnp.bfloat16),
+                                                      ((9000, 16, 8, 128), jnp.bfloat16), ((68, 512), jnp.int32),
+                                                      ((68,), jnp.int32), ((69,), jnp.int32)]]
+    jaxpr = str(jax.make_jaxpr(lambda *a: paged_attention(*a, max_query_len=512))(*shapes))
+    assert "_split" in jaxpr and "_merge" in jaxpr and "merge_attention" not in jaxpr
 
 
 @pytest.mark.parametrize("poison", [1e30, -1e30])
