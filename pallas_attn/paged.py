@@ -117,9 +117,11 @@ def _ragged_kernel(
     block_n: int, num_splits: int, split_size: int | None, scale2: float, precision,
 ):
     """``compact``: write f32 partial states tile by tile into ``[num_splits, num_q_blocks, Hkv, M, Dp]`` (a later
-    launch merges them) instead of token rows. ``merge = (merge_blocks, merge_block_q, merge_splits)``: programs
-    ``num_q_blocks + i`` of axis 0 merge the compact partials of the earlier launch's query block ``i`` into the
-    output rows; the merge inputs are that launch's ``block_req, block_first`` and its partial ``o, lse``."""
+    launch merges them) instead of token rows. ``merge = (merge_blocks, merge_block_q, merge_splits)``: program
+    ``(i, h)`` also merges the compact partials of the earlier launch's query block ``i``, head ``h``, into the
+    output rows (axis 0 is ``max(num_q_blocks, merge_blocks)`` long) — in the programs that exist anyway: separate
+    merge programs would each hold this launch's prefill-sized shared memory, one per SM, wave after wave; the merge
+    inputs are that launch's ``block_req, block_first`` and its partial ``o, lse``."""
     o_ref, lse_ref = refs[-2:]  # [T * Hq, Dp] or [num_splits * T * Hq, Dp] (f32 partials); f32[...] LSE
     p, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_q_blocks = block_req_ref.shape[0]
@@ -133,10 +135,10 @@ def _ragged_kernel(
     # Masked rows get distinct out-of-range indices (see tiles.store_rows).
     oob = num_tokens * num_q_heads + r
 
-    if merge is not None:
-        @pl.when(p >= num_q_blocks)
+    if merge is not None:  # first, while the program's own tiles are still loading
+        @pl.when(p < merge[0])
         def _merge():
-            _merge_partials(p - num_q_blocks, kv_head, cu_query_lens_ref, *refs[:4], o_ref, lse_ref, cols=cols,
+            _merge_partials(p, kv_head, cu_query_lens_ref, *refs[:4], o_ref, lse_ref, cols=cols,
                             merge=merge, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                             group_padded=group_padded)
 
@@ -237,8 +239,8 @@ def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, 
     The second launch aliases the first one's output and writes only its own rows.
 
     ``short_splits = (num_splits, split_size)`` (two launches, the chunks unsplit: ``num_splits == 1``) splits the
-    short queries' launch on its own: it writes compact partial states and extra programs of the chunk launch merge
-    them into the output rows, so the chunk rows never go through a split buffer or the merge."""
+    short queries' launch on its own: it writes compact partial states and the chunk launch's programs merge them
+    into the output rows, so the chunk rows never go through a split buffer or the merge."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
@@ -288,7 +290,7 @@ def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, 
             precision=tiles.dot_precision(q.dtype))
         outs = pl.pallas_call(
             kernel,
-            grid=(num_q_blocks + (merge[0] if merge else 0), num_kv_heads, splits),
+            grid=(max(num_q_blocks, merge[0] if merge else 0), num_kv_heads, splits),
             in_specs=in_specs,
             out_specs=[full(out_rows), vec(out_rows)],
             out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if splits > 1 else q.dtype),
