@@ -73,21 +73,8 @@ def _block_kv(head_dim: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
-def _store_rows(src_rows, dst_rows, num_rows, *, max_rows: int):
-    """TMA-store rows ``[0, num_rows)`` of ``src_rows(offset, size)`` to ``dst_rows(offset, size)`` with boxes of
-    64, 32, …, 1 rows (TMA boxes are static; the bits of ``num_rows`` pick which ones run)."""
-    offset = jnp.int32(0)
-    size = max_rows
-    while size >= 1:
-        take = (num_rows & size) != 0
-        pl.when(take)(functools.partial(lambda o, n: plgpu.copy_smem_to_gmem(src_rows(o, n), dst_rows(o, n)),
-                                        offset, size))
-        offset = offset + jnp.where(take, size, 0)
-        size //= 2
-
-
-def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: int, num_tokens: int, group: int,
-            num_q_tiles: int, block_kv: int, mcs: int, causal: bool, scale2: float):
+def _kernel(cu_ref, tiles_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, group: int, num_q_tiles: int, block_kv: int,
+            mcs: int, causal: bool, scale2: float):
     (q_smem, o_smem, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     m = num_q_tiles - 1 - lax.axis_index("q_seq")  # longest-first
     pair = lax.axis_index("heads")
@@ -96,11 +83,10 @@ def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: in
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     kv_head = lax.div(pair * COMPUTE_WGS, jnp.int32(group))
-    bc = jnp.minimum(b, num_seqs - 1)
-    seq_start = cu_ref[bc]
-    seq_len = cu_ref[bc + 1] - seq_start
+    seq_len = cu_ref[b + 1] - cu_ref[b]
+    row0 = tiles_ref[b] * BLOCK_Q  # the request's first staged row: a multiple of the tile, as TMA's tiling needs
     q0 = m * BLOCK_Q  # request-local first query of the tile
-    live = (b < num_seqs) & (q0 < seq_len)
+    live = q0 < seq_len
     q_end = jnp.minimum(q0 + BLOCK_Q, seq_len)
     full_steps, kv_steps = masks.kv_tile_ranges(q0, q_end - 1, seq_len, block_kv, causal=causal)
 
@@ -108,7 +94,7 @@ def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: in
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         q_head = pair * COMPUTE_WGS + wg
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(seq_start + q0, BLOCK_Q), q_head], q_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 + q0, BLOCK_Q), q_head], q_smem.at[wg], q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -157,9 +143,8 @@ def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: in
         if lse_ref is not None:
             lse_smem.at[wg][...] = lse
         plgpu.commit_smem()
-        row0 = seq_start + q0
-        _store_rows(lambda off, n: o_smem.at[wg, pl.ds(off, n)],
-                    lambda off, n: o_ref.at[pl.ds(row0 + off, n), q_head], q_end - q0, max_rows=BLOCK_Q)
+        # A whole tile: rows past the request's end are its own staging padding, never a neighbour's rows.
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(row0 + q0, BLOCK_Q), q_head])
         if lse_ref is not None:
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, q_head, pl.ds(q0, BLOCK_Q)])
         plgpu.wait_smem_to_gmem(0)
@@ -169,7 +154,7 @@ def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: in
         plgpu.set_max_registers(40, action="decrease")
 
         def load(step, slot):
-            rows = (pl.ds(seq_start + step * block_kv, block_kv), kv_head)
+            rows = (pl.ds(row0 + step * block_kv, block_kv), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
@@ -182,22 +167,6 @@ def _kernel(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, num_seqs: in
             plgpu.barrier_wait(k_free.at[slot])  # both compute warpgroups are done with the slot's K ...
             plgpu.barrier_wait(v_free.at[slot])  # ... and V
             load(step + mcs, slot)
-
-    @pl.when((b == num_seqs) & (wg < COMPUTE_WGS))
-    def _zero_padding():  # rows [cu_seqlens[-1], T): zeros, so they are finite without a pass over the output
-        q_head = pair * COMPUTE_WGS + wg
-        o_smem.at[wg][...] = plgpu.layout_cast(jnp.zeros((BLOCK_Q, head_dim), dtype), plgpu.Layout.WGMMA)
-        plgpu.commit_smem()
-        first = cu_ref[num_seqs] + m * BLOCK_Q
-        stride = num_q_tiles * BLOCK_Q
-
-        @pl.loop(0, pl.cdiv(jnp.maximum(num_tokens - first, 0), stride))
-        def _zero(i):
-            row0 = first + i * stride
-            _store_rows(lambda off, n: o_smem.at[wg, pl.ds(off, n)],
-                        lambda off, n: o_ref.at[pl.ds(row0 + off, n), q_head],
-                        jnp.minimum(BLOCK_Q, num_tokens - row0), max_rows=BLOCK_Q)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
@@ -212,10 +181,19 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     num_seqs = cu_seqlens.shape[0] - 1
     num_q_tiles = pl.cdiv(max(max_seqlen, 1), BLOCK_Q)
     block_kv = _block_kv(head_dim)
-    if interpret:  # the interpreter clamps TMA windows into bounds; the hardware zero-fills past the end
-        pad = ((0, max(BLOCK_Q, block_kv)), (0, 0), (0, 0))
-        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    rows = q.shape[0]
+    # Tile-aligned staging: Mosaic GPU's TMA into tiled shared memory needs row offsets it can prove are multiples
+    # of the tile, which packed request starts are not. Request b's rows move to row BLOCK_Q * cu_tiles[b]; the rows
+    # after it up to the next tile boundary are zeros, so whole-tile loads past a request's end read zeros or the
+    # next request's finite rows (masked), never padding NaNs, and whole-tile stores land in its own padding.
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    valid = token < cu_seqlens[-1]
+    req = jnp.clip(jnp.searchsorted(cu_seqlens, token, side="right", method="compare_all") - 1, 0, num_seqs - 1)
+    q_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + BLOCK_Q - 1) // BLOCK_Q)])
+    staged_rows = num_tokens + BLOCK_Q * num_seqs + max(BLOCK_Q, block_kv)  # + one tile: windows past the end
+    staged = jnp.where(valid, BLOCK_Q * cu_tiles[req] + token - cu_seqlens[req], staged_rows)
+    stage = lambda x: jnp.zeros((staged_rows, *x.shape[1:]), x.dtype).at[staged].set(x, mode="drop")  # noqa: E731
+    q, k, v = stage(q), stage(k), stage(v)
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     scratch = (
@@ -230,15 +208,14 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_concurrent_steps),) * 2,
     )
     body = functools.partial(
-        _kernel, num_seqs=num_seqs, num_tokens=num_tokens, group=num_q_heads // num_kv_heads,
-        num_q_tiles=num_q_tiles, block_kv=block_kv, mcs=max_concurrent_steps, causal=causal,
-        scale2=scale * softmax.LOG2E)
+        _kernel, group=num_q_heads // num_kv_heads, num_q_tiles=num_q_tiles, block_kv=block_kv,
+        mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E)
 
-    def entry(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
-        pl.run_scoped(lambda *s: body(cu_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s), *scratch,
+    def entry(cu_ref, tiles_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        pl.run_scoped(lambda *s: body(cu_ref, tiles_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s), *scratch,
                       collective_axes="wg")
 
-    out_type = [jax.ShapeDtypeStruct((rows, num_q_heads, head_dim), q.dtype),
+    out_type = [jax.ShapeDtypeStruct((staged_rows, num_q_heads, head_dim), q.dtype),
                 jax.ShapeDtypeStruct((num_seqs, num_q_heads, num_q_tiles * BLOCK_Q), jnp.float32)
                 if return_lse else None]
     interpret_params = None
@@ -246,15 +223,13 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_params = InterpretGPUParams()
     out, lse_tiles = plgpu.kernel(
-        entry, out_type=out_type, grid=(num_q_tiles, num_q_heads // COMPUTE_WGS, num_seqs + 1),
+        entry, out_type=out_type, grid=(num_q_tiles, num_q_heads // COMPUTE_WGS, num_seqs),
         grid_names=("q_seq", "heads", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params,
-    )(cu_seqlens, q, k, v)
-    out = out[:num_tokens]
+    )(cu_seqlens, cu_tiles, q, k, v)
+    out = jnp.where(valid[:, None, None], out[jnp.minimum(staged, staged_rows - 1)], jnp.zeros((), out.dtype))
     if not return_lse:
         return out, None
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    req = jnp.clip(jnp.searchsorted(cu_seqlens, token, side="right", method="compare_all") - 1, 0, num_seqs - 1)
     local = token - cu_seqlens[req]
     lse = lse_tiles[req, :, jnp.clip(local, 0, num_q_tiles * BLOCK_Q - 1)]  # [T, Hq]
-    return out, jnp.where((token < cu_seqlens[-1])[:, None], lse, -jnp.inf)
+    return out, jnp.where(valid[:, None], lse, -jnp.inf)

@@ -1,0 +1,74 @@
+"""GPU probe of experimental/prefill_mgpu.py: P1/P2 timed against the Triton-backend varlen_attention in the same
+run (and checked against it), JSON to $OUT/mosaic_probe.json. GPU only.
+
+    python experimental/probe_prefill_mgpu.py [P1,P2]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experimental import prefill_mgpu  # noqa: E402
+from pallas_attn import varlen_attention  # noqa: E402
+from pallas_attn.testing import relative_l2  # noqa: E402
+
+WORKLOADS = {"P1": [8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256],
+             "P2": [32768]}
+
+
+def timeit(f, *args, reps=7, inner=10):
+    for _ in range(2):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            r = f(*args)
+        jax.block_until_ready(r)
+        ts.append((time.perf_counter() - t) / inner)
+    return float(np.median(ts))
+
+
+def main() -> int:
+    which = sys.argv[1].split(",") if len(sys.argv) > 1 else list(WORKLOADS)
+    hq, hkv, d = 32, 8, 128
+    rows = []
+    for name in which:
+        lens = WORKLOADS[name]
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+        t = int(sum(lens))
+        key = jax.random.key(0)
+        q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (t, h, d), jnp.bfloat16)
+                   for i, h in enumerate((hq, hkv, hkv)))
+        flops = sum(4 * (n * (n + 1) / 2) * d * hq for n in lens)
+        triton = jax.jit(lambda q, k, v, cu: varlen_attention(q, k, v, cu, max_seqlen=max(lens)))
+        mosaic = jax.jit(lambda q, k, v, cu: prefill_mgpu.varlen_attention_mosaic(
+            q, k, v, cu, max_seqlen=max(lens), causal=True, scale=d ** -0.5, return_lse=False, interpret=False)[0])
+        ref = triton(q, k, v, cu)
+        out = mosaic(q, k, v, cu)
+        err = relative_l2(out, ref)
+        for impl, f in (("triton", triton), ("mosaic", mosaic)):
+            s = timeit(f, q, k, v, cu)
+            rows.append(dict(workload=name, impl=impl, median_ms=s * 1e3, tflops=flops / s / 1e12,
+                             rel_l2_vs_triton=err if impl == "mosaic" else 0.0))
+            print(f"{name} {impl:7s} {s * 1e3:8.3f} ms {flops / s / 1e12:7.1f} TFLOP/s  rel L2 vs triton {err:.2e}",
+                  flush=True)
+    out_dir = os.environ.get("OUT", "/tmp")
+    pathlib.Path(out_dir, "mosaic_probe.json").write_text(json.dumps(dict(
+        device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"), rows=rows),
+        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
