@@ -190,7 +190,8 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     req = jnp.clip(jnp.searchsorted(cu_seqlens, token, side="right", method="compare_all") - 1, 0, num_seqs - 1)
     q_lens = cu_seqlens[1:] - cu_seqlens[:-1]
     cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + BLOCK_Q - 1) // BLOCK_Q)])
-    staged_rows = num_tokens + BLOCK_Q * num_seqs + max(BLOCK_Q, block_kv)  # + one tile: windows past the end
+    # + one tile: windows past the end; whole tiles, since TMA needs the row count a multiple of its 8-row tiling
+    staged_rows = pl.cdiv(num_tokens + BLOCK_Q * num_seqs, BLOCK_Q) * BLOCK_Q + max(BLOCK_Q, block_kv)
     staged = jnp.where(valid, BLOCK_Q * cu_tiles[req] + token - cu_seqlens[req], staged_rows)
     stage = lambda x: jnp.zeros((staged_rows, *x.shape[1:]), x.dtype).at[staged].set(x, mode="drop")  # noqa: E731
     q, k, v = stage(q), stage(k), stage(v)
