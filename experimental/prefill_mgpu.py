@@ -193,7 +193,14 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     # + one tile: windows past the end; whole tiles, since TMA needs the row count a multiple of its 8-row tiling
     staged_rows = pl.cdiv(num_tokens + BLOCK_Q * num_seqs, BLOCK_Q) * BLOCK_Q + max(BLOCK_Q, block_kv)
     staged = jnp.where(valid, BLOCK_Q * cu_tiles[req] + token - cu_seqlens[req], staged_rows)
-    stage = lambda x: jnp.zeros((staged_rows, *x.shape[1:]), x.dtype).at[staged].set(x, mode="drop")  # noqa: E731
+    # Staging as a gather (each staged row finds its token): XLA's scatter of 8 KB rows ran at ~250 GB/s.
+    row = jnp.arange(staged_rows, dtype=jnp.int32)
+    row_req = jnp.clip(jnp.searchsorted(BLOCK_Q * cu_tiles, row, side="right", method="compare_all") - 1, 0,
+                       num_seqs - 1)
+    src = cu_seqlens[row_req] + row - BLOCK_Q * cu_tiles[row_req]
+    live_row = (src < cu_seqlens[row_req + 1]) & (row < BLOCK_Q * cu_tiles[-1])
+    src = jnp.where(live_row, src, 0)
+    stage = lambda x: jnp.where(live_row[:, None, None], x[src], jnp.zeros((), x.dtype))  # noqa: E731
     q, k, v = stage(q), stage(k), stage(v)
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
