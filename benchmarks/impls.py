@@ -13,6 +13,7 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
   pallas_attn/paged      a decode workload run through the ragged ``paged_attention`` (q_len = 1 each)
   pallas_attn/parts      a mixed ragged batch run as separate calls, one per request group (decodes through
                          ``paged_decode_attention``, the others through ``paged_attention``)
+  pallas_attn/mosaic     varlen prefill with ``backend="mosaic"`` (the Hopper kernel; GPU only)
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ def _interpret_kw(options: Options) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- ours
-def _prepare_prefill(batches: list[Batch], options: Options) -> Prepared:
+def _prepare_prefill(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
     host = batches[0].host
-    kw = dict(max_seqlen=int(host.seq_lens.max()), **_interpret_kw(options), **options.overrides)
+    kw = dict(max_seqlen=int(host.seq_lens.max()), **_interpret_kw(options), **options.overrides, **extra)
     fn = jax.jit(lambda q, k, v, cu: pallas_attn.varlen_attention(q, k, v, cu, **kw))
     args = [(b.arrays["q"], b.arrays["k"], b.arrays["v"], b.arrays["cu_seqlens"]) for b in batches]
     return Prepared(fn, args, identity, note=_config_note(options))
@@ -200,6 +201,12 @@ def _prepare_ours(batches: list[Batch], options: Options) -> Prepared:
             "sparse": _prepare_sparse}[kind](batches, options)
 
 
+def _on_gpu_prefill(spec: Spec) -> bool:
+    """The Mosaic GPU prefill: compiled on a GPU only (its interpreter takes seconds for a few dozen tokens)."""
+    from pallas_attn import backend
+    return spec.kind == "prefill" and backend.on_gpu()
+
+
 def _is_mixed(spec: Spec) -> bool:
     return spec.kind == "ragged" and len(spec.groups) > 1
 
@@ -211,6 +218,7 @@ OUR_IMPLS: list[Impl] = [
     Impl(f"{OURS}/paged", lambda s: s.kind == "decode" and not s.id.startswith("split-"), _prepare_decode_as_ragged,
          anchor=False),
     Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False),
+    Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_prefill(b, o, backend="mosaic"), anchor=False),
 ]
 
 

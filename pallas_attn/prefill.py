@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
+from pallas_attn import backend as backend_lib, config as config_lib, masks, prefill_mosaic, softmax, tiles, validation
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -175,11 +175,14 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
     validation.check_static_positive("max_seqlen", max_seqlen)
 
 
+BACKENDS = ("triton", "mosaic")
+
+
 @functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "return_lse", "interpret",
-                                             "config"))
+                                             "config", "backend"))
 def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = True, softmax_scale: float | None = None,
                      return_lse: bool = False, interpret: bool | None = None,
-                     config: config_lib.PrefillConfig | None = None):
+                     config: config_lib.PrefillConfig | None = None, backend: str | None = None):
     """Attention over requests packed along the token axis; each request sees only its own tokens.
 
     Args:
@@ -195,6 +198,10 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       return_lse: also return the natural-log LSE ``f32[num_tokens, num_q_heads]`` (``-inf`` for padding rows).
       interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.backend`).
       config: block sizes / warps / stages (:class:`pallas_attn.config.PrefillConfig`); None → tuned default.
+        Triton backend only.
+      backend: "triton" (default for now) or "mosaic": the Hopper kernel of :mod:`pallas_attn.prefill_mosaic`
+        (wgmma, TMA, warp specialisation; bf16/fp16, head_dim 64 or 128, even GQA groups — anything else raises).
+        Interpreted on CPU by the Mosaic GPU interpreter.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked).
@@ -205,6 +212,19 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     """
     _validate(q, k, v, cu_seqlens, max_seqlen)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    interpret = backend_lib.resolve_interpret(interpret)
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"backend must be one of {BACKENDS} or None; got {backend!r}")
+    if backend == "mosaic":
+        if config is not None:
+            raise ValueError("config= tunes the Triton kernel; the Mosaic kernel takes none (pass backend='triton')")
+        reason = prefill_mosaic.supported(q, k)
+        if reason is not None:
+            raise ValueError(f"backend='mosaic' does not support {reason}; pass backend='triton'")
+        out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,
+                                                          scale=float(scale), return_lse=return_lse,
+                                                          interpret=interpret)
+        return (out, lse) if return_lse else out
     cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
     return _prefill_call(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal, scale=float(scale),
-                         return_lse=return_lse, interpret=backend.resolve_interpret(interpret), cfg=cfg)
+                         return_lse=return_lse, interpret=interpret, cfg=cfg)

@@ -1,7 +1,7 @@
-"""GPU probe of experimental/prefill_mgpu.py: P1/P2 timed against the Triton-backend varlen_attention in the same
+"""GPU probe of pallas_attn/prefill_mosaic.py: P1/P2 timed against the Triton-backend varlen_attention in the same
 run (and checked against it), JSON to $OUT/mosaic_probe.json. GPU only.
 
-    python experimental/probe_prefill_mgpu.py [P1,P2]
+    python scripts/probe_prefill_mosaic.py [P1,P2]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experimental import prefill_mgpu  # noqa: E402
+from pallas_attn import prefill_mosaic  # noqa: E402
 from pallas_attn import varlen_attention  # noqa: E402
 from pallas_attn.testing import relative_l2  # noqa: E402
 
@@ -52,7 +52,7 @@ def main() -> int:
                    for i, h in enumerate((hq, hkv, hkv)))
         flops = sum(4 * (n * (n + 1) / 2) * d * hq for n in lens)
         triton = jax.jit(lambda q, k, v, cu: varlen_attention(q, k, v, cu, max_seqlen=max(lens)))
-        mosaic = jax.jit(lambda q, k, v, cu: prefill_mgpu.varlen_attention_mosaic(
+        mosaic = jax.jit(lambda q, k, v, cu: prefill_mosaic.varlen_attention_mosaic(
             q, k, v, cu, max_seqlen=max(lens), causal=True, scale=d ** -0.5, return_lse=False, interpret=False)[0])
         ref = triton(q, k, v, cu)
         out = mosaic(q, k, v, cu)

@@ -1,9 +1,9 @@
-"""Packed varlen prefill on the Mosaic GPU backend (Hopper: wgmma, TMA, warp specialisation). Experimental.
+"""Packed varlen prefill on the Mosaic GPU backend (Hopper: wgmma, TMA, warp specialisation).
 
-The same contract as :func:`pallas_attn.varlen_attention` and the seed's structure, written for the backend that
-reaches Hopper's own instructions from Pallas:
+``varlen_attention(..., backend="mosaic")`` runs this kernel: the same contract as the Triton-backend one and the
+seed's structure, written for the backend that reaches Hopper's own instructions from Pallas:
 
-* grid ``(q_tiles, Hq / 2, batch + 1)``; program ``(m, p, b)`` owns 64 query tokens of request ``b`` (tiles visited
+* grid ``(q_tiles, Hq / 2, batch)``; program ``(m, p, b)`` owns 64 query tokens of request ``b`` (tiles visited
   longest-first) and the query heads ``2p, 2p + 1`` — two heads of one KV group, so each K/V tile that lands in
   shared memory serves both (GQA sharing; the group size must be even).
 * three warpgroups: two compute warpgroups (one query head each: ``S = Q Kᵀ`` and ``O += P V`` with wgmma, the
@@ -12,31 +12,26 @@ reaches Hopper's own instructions from Pallas:
 * ``cu_seqlens`` is read inside the kernel; a tile past its request exits at once. Full tiles (■, every key before
   the tile's first query) run with no mask code, diagonal tiles (△) are masked from request-local positions,
   future tiles (·) are never loaded. Non-causal: only the last tile masks keys past the request.
-* rows past the request's end are never written: the output tile goes out through a ladder of TMA stores of
-  64, 32, …, 1 rows (static box sizes, chosen at run time by the bits of the valid row count), so a neighbour
-  request's rows are untouched. The extra program row ``b == batch`` zeroes the padding rows ``[cu_seqlens[-1], T)``.
+* Tile-aligned staging: Mosaic GPU's TMA into tiled (8 × 64, 128-byte swizzled) shared memory needs row offsets it
+  can prove are tile multiples, which packed request starts are not. The wrapper gathers q/k/v into a layout where
+  request ``b`` starts at row ``64 · cu_tiles[b]`` with zero rows up to the next tile boundary, and gathers the
+  output back. So whole-tile loads past a request's end read zeros or the next request's rows (masked), never a
+  padding NaN, and whole-tile stores land in the request's own padding. The price is one gather pass over q/k/v/out
+  (P1: ~0.4 ms of 2.5).
 * LSE (natural log) goes to a per-tile buffer ``[batch, Hq, q_tiles · 64]`` (a 64-wide TMA store each) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
-Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. It raises on
-TMA reads past the end of an array, where the hardware zero-fills, so there the inputs get one tile of padding rows
-first.
+Measured on the H200 (2026-11-30, ``scripts/probe_prefill_mosaic.py``, bf16, Hq 32, Hkv 8, D 128, same run): P1
+385.5 TFLOP/s against the Triton kernel's 399.2, P2 531.9 against 469.3 (+13%); outputs within 4e-5 (P1) and 2e-4
+(P2) relative L2 of the Triton kernel's. The default backend stays Triton until the selection rule is measured on
+more than these two workloads (see ``benchmarks/NOTES.md``).
 
-Status (2026-11-30, work in progress, not part of the package): written and run only in the Mosaic GPU interpreter
-on a CPU. Without padding rows, when an interpreted run completes it matches the reference (bf16 relative L2 1.8e-3:
-one request of 64 or 70 tokens, Hq 2, Hkv 1, D 64). With NaN-poisoned rows after a request its valid rows come out
-NaN: the last K/V tile is loaded whole by TMA, and a masked P (0) times a NaN V row is NaN — K is safe (masked
-scores are replaced by -inf), V is not. To fix: the memory warpgroup zeroes the V rows past the request in the last
-tile's slot and then signals a "ready" barrier the masked steps wait on. And runs hang intermittently — the same
-input passes or blocks in a barrier wait from one run to the next — so either this kernel races or the interpreter
-does. Not yet resolved. It does not lower for CUDA yet either (checked on a CPU with
-``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``): the row ladder's ``copy_smem_to_gmem`` fails in
-``memref.subview`` ("must be a Sequence of Values"). Never compiled or timed on the H200. The tile bounds, the
+Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. Its limits
+(jax 0.11.2): wgmma's A operand must be in shared memory (P goes through a scratch buffer there), pl.run_state
+with a pre-initialised accumulator does not run (each P·V is a fresh accumulator), and a barrier completion that
+no thread waits for breaks the next grid point (the releases are guarded by "refill"). The tile bounds, the
 online-softmax step, the two tile loops and the finalisation are the shared ones of :mod:`pallas_attn.masks` and
-:mod:`pallas_attn.softmax`. Interpreter limits met on the way (jax 0.11.2): wgmma's A operand must be in shared
-memory, pl.run_state with a pre-initialised accumulator does not run, copy_smem_to_gmem takes no predicate, and
-(apparently) a barrier completion that no thread waits for breaks the next grid point, hence the releases guarded by
-"refill". Run it with ``experimental/check_prefill_mgpu.py``.
+:mod:`pallas_attn.softmax`.
 """
 
 from __future__ import annotations
@@ -61,15 +56,14 @@ def supported(q, k) -> str | None:
     group = num_q_heads // k.shape[1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
-    if head_dim not in (64, 128, 256):
-        return f"head_dim {head_dim} (64, 128 or 256)"
+    if head_dim not in (64, 128):  # 256: Q, O and two K/V slots outgrow the 227 KB of shared memory
+        return f"head_dim {head_dim} (64 or 128)"
     if group % COMPUTE_WGS:
         return f"GQA group {group} (the two compute warpgroups take two heads of one group: even groups only)"
     return None
 
 
-def _block_kv(head_dim: int) -> int:
-    return 128 if head_dim <= 128 else 64  # two K/V slots of [block_kv, D] stay within shared memory
+BLOCK_KV = 128  # keys per K/V slot; a third slot (max_concurrent_steps=3) overflows shared memory at D 128
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
@@ -180,7 +174,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
     num_q_tiles = pl.cdiv(max(max_seqlen, 1), BLOCK_Q)
-    block_kv = _block_kv(head_dim)
+    block_kv = BLOCK_KV
     # Tile-aligned staging: Mosaic GPU's TMA into tiled shared memory needs row offsets it can prove are multiples
     # of the tile, which packed request starts are not. Request b's rows move to row BLOCK_Q * cu_tiles[b]; the rows
     # after it up to the next tile boundary are zeros, so whole-tile loads past a request's end read zeros or the

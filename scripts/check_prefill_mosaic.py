@@ -1,6 +1,6 @@
-"""Run experimental/prefill_mgpu.py against the reference: interpreted on a CPU, compiled on an H200.
+"""Run pallas_attn/prefill_mosaic.py against the reference: interpreted on a CPU, compiled on an H200.
 
-    python experimental/check_prefill_mgpu.py 64,70,1,0 [--causal 0|1] [--hq 4 --hkv 2 --d 128]
+    python scripts/check_prefill_mosaic.py 64,70,1,0 [--causal 0|1] [--hq 4 --hkv 2 --d 128]
 
 Prints the relative L2 error of the output (and LSE) for the packed batch of the given request lengths. On the
 CPU a watchdog dumps the threads and exits after --timeout seconds (the interpreter sometimes blocks; see the
@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experimental import prefill_mgpu  # noqa: E402
+from pallas_attn import prefill_mosaic  # noqa: E402
 from pallas_attn import reference  # noqa: E402
 from pallas_attn.testing import random_packed, relative_l2  # noqa: E402
 
@@ -45,7 +45,7 @@ def main() -> int:
     k, _ = random_packed(rng, lens, args.hkv, args.d, jnp.bfloat16, pad_to=pad_to)
     v, _ = random_packed(rng, lens, args.hkv, args.d, jnp.bfloat16, pad_to=pad_to)
     t = time.time()
-    out, lse = prefill_mgpu.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=bool(args.causal),
+    out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=bool(args.causal),
                                                    scale=args.d ** -0.5, return_lse=True, interpret=interpret)
     ref, ref_lse = reference.varlen_attention(q, k, v, cu, causal=bool(args.causal), return_lse=True)
     n = int(cu[-1])
