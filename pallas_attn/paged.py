@@ -56,7 +56,8 @@ def two_launches(max_query_len: int, cfg: config_lib.DecodeConfig) -> bool:
 
 
 def launch_splits(q_shape, dtype_bytes: int, cache_shape, table_shape, max_query_len: int,
-                  cfg: config_lib.DecodeConfig, chunk_cfg: config_lib.DecodeConfig) -> tuple[tuple[int, int | None], int]:
+                  cfg: config_lib.DecodeConfig,
+                  chunk_cfg: config_lib.DecodeConfig) -> tuple[tuple[int, int | None], int]:
     """Split-KV heuristics per launch of a two-launch batch: ``((num_splits, split_size) of the short queries,
     num_splits of the chunks)``.
 
@@ -119,9 +120,9 @@ def _ragged_kernel(
     """``compact``: write f32 partial states tile by tile into ``[num_splits, num_q_blocks, Hkv, M, Dp]`` (a later
     launch merges them) instead of token rows. ``merge = (merge_blocks, merge_block_q, merge_splits)``: program
     ``(i, h)`` also merges the compact partials of the earlier launch's query block ``i``, head ``h``, into the
-    output rows (axis 0 is ``max(num_q_blocks, merge_blocks)`` long) — in the programs that exist anyway: separate
-    merge programs would each hold this launch's prefill-sized shared memory, one per SM, wave after wave; the merge
-    inputs are that launch's ``block_req, block_first`` and its partial ``o, lse``."""
+    output rows (axis 0 is ``max(num_q_blocks, merge_blocks)`` long: the programs that exist anyway; separate merge
+    programs measured the same on M1). The merge inputs are that launch's ``block_req, block_first`` and its partial
+    ``o, lse``."""
     o_ref, lse_ref = refs[-2:]  # [T * Hq, Dp] or [num_splits * T * Hq, Dp] (f32 partials); f32[...] LSE
     p, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_q_blocks = block_req_ref.shape[0]
@@ -135,7 +136,7 @@ def _ragged_kernel(
     # Masked rows get distinct out-of-range indices (see tiles.store_rows).
     oob = num_tokens * num_q_heads + r
 
-    if merge is not None:  # first, while the program's own tiles are still loading
+    if merge is not None:
         @pl.when(p < merge[0])
         def _merge():
             _merge_partials(p, kv_head, cu_query_lens_ref, *refs[:4], o_ref, lse_ref, cols=cols,

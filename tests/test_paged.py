@@ -90,9 +90,9 @@ def test_mixed_batch_splits_per_launch():
     (splits, size), chunk_splits = paged.launch_splits((2152, 32, 128), 2, (9000, 16, 8, 128), (68, 512), 512,
                                                        cfg, chunk_cfg)
     assert splits > 1 and size % cfg.block_n == 0 and chunk_splits == 1
-    shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((2152, 32, 128), jnp.bfloat16), ((9000, 16, 8, 128), jnp.bfloat16),
-                                                      ((9000, 16, 8, 128), jnp.bfloat16), ((68, 512), jnp.int32),
-                                                      ((68,), jnp.int32), ((69,), jnp.int32)]]
+    cache = ((9000, 16, 8, 128), jnp.bfloat16)
+    shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((2152, 32, 128), jnp.bfloat16), cache, cache,
+                                                      ((68, 512), jnp.int32), ((68,), jnp.int32), ((69,), jnp.int32)]]
     jaxpr = str(jax.make_jaxpr(lambda *a: paged_attention(*a, max_query_len=512))(*shapes))
     assert "_split" in jaxpr and "_merge" in jaxpr and "merge_attention" not in jaxpr
 

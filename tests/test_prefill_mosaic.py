@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import reference, varlen_attention
+from pallas_attn import PrefillConfig, reference, varlen_attention
 from pallas_attn.testing import assert_attention_close, random_packed
 
 # name: (lens, num_q_heads, num_kv_heads, head_dim, causal, dtype); query tiles are 64 rows, K/V tiles 128.
@@ -51,7 +51,9 @@ def test_isolation_under_huge_values(rng):
     """One request's K/V set to 1e4 leaves the others' outputs bit-identical (tiles reach past request ends)."""
     lens = [70, 5, 64]
     q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16)
-    run = lambda k, v: np.asarray(varlen_attention(q, k, v, cu, max_seqlen=128, backend="mosaic"), np.float32)  # noqa: E731
+    def run(k, v):
+        return np.asarray(varlen_attention(q, k, v, cu, max_seqlen=128, backend="mosaic"), np.float32)
+
     base = run(k, v)
     rows = slice(70, 75)
     k2, v2 = k.at[rows].set(1e4), v.at[rows].set(1e4)
@@ -77,7 +79,6 @@ def test_unsupported_inputs_raise(kw, shapes, match):
 
 def test_config_is_triton_only():
     q, k = jnp.zeros((8, 4, 64), jnp.bfloat16), jnp.zeros((8, 2, 64), jnp.bfloat16)
-    from pallas_attn import PrefillConfig
     with pytest.raises(ValueError, match="config= tunes the Triton kernel"):
         varlen_attention(q, k, k, jnp.asarray([0, 8], jnp.int32), max_seqlen=8, backend="mosaic",
                          config=PrefillConfig())
