@@ -7,6 +7,9 @@ limit: an interpreted deadlock must fail the test, not stall the suite.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,3 +85,16 @@ def test_config_is_triton_only():
     with pytest.raises(ValueError, match="config= tunes the Triton kernel"):
         varlen_attention(q, k, k, jnp.asarray([0, 8], jnp.int32), max_seqlen=8, backend="mosaic",
                          config=PrefillConfig())
+
+
+@pytest.mark.parametrize("head_dim, causal, return_lse", [(128, True, True), (64, False, False)])
+def test_lowers_for_cuda(head_dim, causal, return_lse):
+    """The compiled path's lowering (wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked without a GPU at a
+    P1-sized shape: what the interpreter does not exercise (tiling/alignment proofs, layouts) fails here."""
+    s = jax.ShapeDtypeStruct
+    args = (s((8192, 32, head_dim), jnp.bfloat16), s((8192, 8, head_dim), jnp.bfloat16),
+            s((8192, 8, head_dim), jnp.bfloat16), s((17,), jnp.int32))
+    f = functools.partial(varlen_attention, max_seqlen=4096, causal=causal, return_lse=return_lse, interpret=False,
+                          backend="mosaic")
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
