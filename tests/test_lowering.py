@@ -1,0 +1,70 @@
+"""Every public kernel lowers for the H200 (CUDA, sm_90) at the standard workloads' shapes, checked on a CPU.
+
+Interpret mode runs the kernel bodies through XLA and never touches the Triton or Mosaic GPU lowering, where a
+construct the interpreter accepts can still fail (an unsupported op, a layout, an alignment Mosaic GPU cannot
+prove). An abstract H200 (``AbstractDevice``) gives the Triton lowering its compute capability without a GPU; ptxas
+still only runs on a real one (``tools/offline_compile.py`` covers registers and spills).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh
+
+from pallas_attn import paged_attention, paged_decode_attention, sparse_mla_attention, varlen_attention
+
+S = jax.ShapeDtypeStruct
+BF16, I32 = jnp.bfloat16, jnp.int32
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                                 platform="cuda"))
+
+
+def _lower(fn, *shapes) -> str:
+    with jax.sharding.use_abstract_mesh(H200):
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _pallas_calls(text: str) -> int:
+    return text.count("__gpu$xla.gpu.triton") + text.count("mosaic_gpu")
+
+
+@pytest.mark.parametrize("backend, dtype, head_dim", [("triton", BF16, 128), ("triton", jnp.float32, 96),
+                                                      ("mosaic", BF16, 128)])
+def test_varlen_p1(backend, dtype, head_dim):
+    fn = functools.partial(varlen_attention, max_seqlen=8192, return_lse=True, interpret=False, backend=backend)
+    text = _lower(fn, S((29184, 32, head_dim), dtype), S((29184, 8, head_dim), dtype),
+                  S((29184, 8, head_dim), dtype), S((17,), I32))
+    assert _pallas_calls(text) >= 1
+
+
+@pytest.mark.parametrize("batch, max_blocks", [(64, 512), (4, 8192)])  # D1 (tail-balance split), D2 (split-KV)
+def test_paged_decode(batch, max_blocks):
+    fn = functools.partial(paged_decode_attention, return_lse=True, interpret=False)
+    cache = S((batch * max_blocks, 16, 8, 128), BF16)
+    text = _lower(fn, S((batch, 32, 128), BF16), cache, cache, S((batch, max_blocks), I32), S((batch,), I32))
+    assert _pallas_calls(text) >= 1
+
+
+@pytest.mark.parametrize("tokens, seqs, max_query_len, max_blocks", [
+    (192, 32, 6, 1024),  # V1: one launch
+    (2152, 68, 512, 512),  # M1: short launch split on its own, merged by the chunk launch
+    (600, 4, 512, 4096),  # few chunks over long contexts: both launches split, one merge
+])
+def test_paged_ragged(tokens, seqs, max_query_len, max_blocks):
+    fn = functools.partial(paged_attention, max_query_len=max_query_len, return_lse=True, interpret=False)
+    cache = S((seqs * max_blocks, 16, 8, 128), BF16)
+    text = _lower(fn, S((tokens, 32, 128), BF16), cache, cache, S((seqs, max_blocks), I32), S((seqs,), I32),
+                  S((seqs + 1,), I32))
+    assert _pallas_calls(text) >= (1 if max_query_len <= 16 else 2)
+
+
+def test_sparse_s1():
+    fn = functools.partial(sparse_mla_attention, return_lse=True, interpret=False)
+    text = _lower(fn, S((64, 128, 576), BF16), S((64 * 512, 64, 576), BF16), S((64, 512), I32),
+                  S((64, 2048), I32))
+    assert _pallas_calls(text) >= 1
