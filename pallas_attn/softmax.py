@@ -93,15 +93,32 @@ def merge_attention_states(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array,
     Example:
       >>> out, lse = merge_attention_states(jnp.stack([o1, o2]), jnp.stack([lse1, lse2]))
     """
-    lses = lses.astype(jnp.float32)
-    m = jnp.max(lses, axis=0)
+    return fold_split_states(outs.shape[0], lambda s: lses[s], lambda s: outs[s], lses.shape[1:], outs.shape[1:])
+
+
+def _unrolled(n: int, body, init):
+    for s in range(n):
+        init = body(s, init)
+    return init
+
+
+def fold_split_states(num_splits: int, lse_at, out_at, lse_shape: tuple, out_shape: tuple, loop=_unrolled):
+    """The merge of :func:`merge_attention_states` over states fetched one split at a time: ``lse_at(s)``
+    ``[...]``, ``out_at(s)`` ``[..., D]``. A left fold in split order, empty (``-inf``) splits ignored even where
+    their outputs are NaN. ``loop(n, body, init)`` runs the folds: unrolled in XLA, ``lax.fori_loop`` inside a
+    kernel (:mod:`pallas_attn.paged` merges one launch's partial states in the next launch's programs).
+
+    Returns ``(out [..., D] float32, lse [...] float32)``."""
+    m = loop(num_splits, lambda s, m: jnp.maximum(m, lse_at(s).astype(jnp.float32)),
+             jnp.full(lse_shape, -jnp.inf, jnp.float32))
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    num = jnp.zeros(outs.shape[1:], jnp.float32)
-    den = jnp.zeros(lses.shape[1:], jnp.float32)
-    for s in range(outs.shape[0]):  # static S: a fixed-order fold, see the docstring
-        w = jnp.exp(lses[s] - m_safe)  # 0 for an empty split
-        num = num + jnp.where((w > 0)[..., None], w[..., None] * outs[s].astype(jnp.float32), 0.0)
-        den = den + w
+
+    def fold(s, carry):
+        num, den = carry
+        w = jnp.exp(lse_at(s).astype(jnp.float32) - m_safe)  # 0 for an empty split
+        return num + jnp.where((w > 0)[..., None], w[..., None] * out_at(s).astype(jnp.float32), 0.0), den + w
+
+    num, den = loop(num_splits, fold, (jnp.zeros(out_shape, jnp.float32), jnp.zeros(lse_shape, jnp.float32)))
     empty = den == 0.0
     out = num / jnp.where(empty, 1.0, den)[..., None]
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, den)))
