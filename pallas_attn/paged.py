@@ -49,6 +49,13 @@ def query_block_tokens(max_query_len: int, group_padded: int, requested: int | N
     return max(tokens, max(1, tiles.MIN_DOT_ROWS // group_padded))
 
 
+def chunk_block_tokens(max_query_len: int, group_padded: int, chunk_cfg: config_lib.DecodeConfig, head_dim: int,
+                       dtype_bytes: int) -> int:
+    """Tokens per query block of the prefill-chunk launch (:func:`~pallas_attn.config.chunk_rows` rows)."""
+    return query_block_tokens(max_query_len, group_padded, chunk_cfg.block_q,
+                              config_lib.chunk_rows(head_dim, dtype_bytes))
+
+
 def two_launches(max_query_len: int, cfg: config_lib.DecodeConfig) -> bool:
     """Prefill chunks may be in the batch (and no fixed ``block_q`` asks for one launch): short queries and chunks
     run in separate launches with their own tiles."""
@@ -72,8 +79,8 @@ def launch_splits(q_shape, dtype_bytes: int, cache_shape, table_shape, max_query
     num_seqs, max_blocks = table_shape
     capacity = max_blocks * block_size
     short = config_lib.resolve_splits(num_seqs * num_kv_heads, capacity, cfg.block_n, None, None)
-    long_q = query_block_tokens(max_query_len, config_lib.next_pow2(num_q_heads // num_kv_heads), chunk_cfg.block_q,
-                                config_lib.chunk_rows(head_dim, dtype_bytes))
+    long_q = chunk_block_tokens(max_query_len, config_lib.next_pow2(num_q_heads // num_kv_heads), chunk_cfg, head_dim,
+                                dtype_bytes)
     chunk_splits = config_lib.choose_num_splits(pl.cdiv(num_tokens, long_q) * num_kv_heads, capacity,
                                                 chunk_cfg.block_n)
     return short, chunk_splits
@@ -212,22 +219,12 @@ def _merge_partials(i, kv_head, cu_query_lens_ref, block_req_ref, block_first_re
         row_valid = (tok < cu_query_lens_ref[req + 1] - q_start) & (g < group)
         rows = jnp.where(row_valid, (q_start + tok) * num_q_heads + kv_head * group + g, num_tokens * num_q_heads + r)
         tile = lambda s: ((s * merge_blocks + i) * num_kv_heads + kv_head) * r.shape[0] + r  # noqa: E731
-        m = jax.lax.fori_loop(0, num_splits, lambda s, m: jnp.maximum(m, tiles.load_vector(part_lse_ref, tile(s))),
-                              jnp.full(r.shape, -jnp.inf, jnp.float32))
-        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-
-        def fold(s, carry):  # the order of merge_attention_states: a left fold over splits, empty ones ignored
-            num, den = carry
-            w = jnp.exp(tiles.load_vector(part_lse_ref, tile(s)) - m_safe)
-            o = tiles.load_rows(part_o_ref, tile(s), cols)
-            return num + jnp.where((w > 0)[:, None], w[:, None] * o, 0.0), den + w
-
-        num, den = jax.lax.fori_loop(0, num_splits, fold, (jnp.zeros((r.shape[0], part_o_ref.shape[-1]), jnp.float32),
-                                                           jnp.zeros(r.shape, jnp.float32)))
-        empty = den == 0.0
-        tiles.store_rows(o_ref, rows, cols, num / jnp.where(empty, 1.0, den)[:, None], row_valid)
-        tiles.store_vector(lse_ref, rows, jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, den))),
-                           row_valid)
+        out, lse = softmax.fold_split_states(
+            num_splits, lambda s: tiles.load_vector(part_lse_ref, tile(s)),
+            lambda s: tiles.load_rows(part_o_ref, tile(s), cols), r.shape, (r.shape[0], part_o_ref.shape[-1]),
+            loop=lambda n, body, init: jax.lax.fori_loop(0, n, body, init))
+        tiles.store_rows(o_ref, rows, cols, out, row_valid)
+        tiles.store_vector(lse_ref, rows, lse, row_valid)
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
@@ -254,8 +251,7 @@ def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, 
         passes = [(block_q, pl.cdiv(num_tokens, block_q) + num_seqs, None, cfg, (num_splits, split_size), False)]
     else:
         short_q = query_block_tokens(SHORT_QUERY_LEN, group_padded, None)
-        long_q = query_block_tokens(max_query_len, group_padded, chunk_cfg.block_q,
-                                    config_lib.chunk_rows(head_dim, q.dtype.itemsize))
+        long_q = chunk_block_tokens(max_query_len, group_padded, chunk_cfg, head_dim, q.dtype.itemsize)
         compact = short_splits is not None and short_splits[0] > 1
         if compact and num_splits != 1:
             raise ValueError(f"short_splits needs an unsplit chunk launch, got {num_splits=}")
