@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn import masks, softmax
+from pallas_attn import masks, metadata, softmax
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 COMPUTE_WGS = 2  # two query heads of one KV group per program
@@ -178,8 +178,8 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     # after it up to the next tile boundary are zeros, so whole-tile loads past a request's end read zeros or the
     # next request's finite rows (masked), never padding NaNs, and whole-tile stores land in its own padding.
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    valid = token < cu_seqlens[-1]
-    req = jnp.clip(jnp.searchsorted(cu_seqlens, token, side="right", method="compare_all") - 1, 0, num_seqs - 1)
+    token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
+    valid, req = token_req >= 0, jnp.maximum(token_req, 0)
     q_lens = cu_seqlens[1:] - cu_seqlens[:-1]
     cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + BLOCK_Q - 1) // BLOCK_Q)])
     # + one tile: windows past the end; whole tiles, since TMA needs the row count a multiple of its 8-row tiling
@@ -187,10 +187,10 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     staged = jnp.where(valid, BLOCK_Q * cu_tiles[req] + token - cu_seqlens[req], staged_rows)
     # Staging as a gather (each staged row finds its token): XLA's scatter of 8 KB rows ran at ~250 GB/s.
     row = jnp.arange(staged_rows, dtype=jnp.int32)
-    row_req = jnp.clip(jnp.searchsorted(BLOCK_Q * cu_tiles, row, side="right", method="compare_all") - 1, 0,
-                       num_seqs - 1)
-    src = cu_seqlens[row_req] + row - BLOCK_Q * cu_tiles[row_req]
-    live_row = (src < cu_seqlens[row_req + 1]) & (row < BLOCK_Q * cu_tiles[-1])
+    row_req = metadata.token_requests(BLOCK_Q * cu_tiles, staged_rows)  # the request whose tiles hold the row
+    row_req_safe = jnp.maximum(row_req, 0)
+    src = cu_seqlens[row_req_safe] + row - BLOCK_Q * cu_tiles[row_req_safe]
+    live_row = (row_req >= 0) & (src < cu_seqlens[row_req_safe + 1])
     src = jnp.where(live_row, src, 0)
     stage = lambda x: jnp.where(live_row[:, None, None], x[src], jnp.zeros((), x.dtype))  # noqa: E731
     q, k, v = stage(q), stage(k), stage(v)
