@@ -75,10 +75,9 @@ class SparseConfig:
     value_splits: int = 1
 
     def __post_init__(self):
-        _check_pow2("block_n", self.block_n, lo=16)
+        _check_launch(self)
         _check_pow2("block_h", self.block_h, lo=16)
         _check_pow2("value_splits", self.value_splits, hi=8)
-        _check_pow2("num_warps", self.num_warps, hi=16)
 
 
 # Measured winners (pallas_attn/tuned.py, written by `pallas-attn bench --sweep --write-tables`), keyed by

@@ -28,7 +28,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
 
 
-
 # ---------------------------------------------------------------------------------------------- kernel body
 def _decode_kernel(
     # inputs
