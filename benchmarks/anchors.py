@@ -10,6 +10,10 @@ layouts, transposes, head repetition) and records in ``note`` what it had to do.
   cudnn/paged        JAX's internal cuDNN paged attention (D1, D2); internal API, pool padded to B·max_blocks pages
   jax_pallas_mha     jax.experimental.pallas.ops.gpu.attention.mha (P1 packed into one sequence with segment_ids,
                      P2 as is); K/V heads repeated to Hq (mha has no GQA)
+  jax_pallas_mgpu    jax.experimental.pallas.ops.gpu.attention_mgpu.attention, the Mosaic GPU (Hopper) kernel, GPU
+                     only, GQA native, on dense [n, L, H, D]: P1 one call per length group (requests gathered
+                     per group first), P2 one call; q/k/v cast to fp16 (its smem is fp16-only in jax 0.11.2), q
+                     pre-scaled (it applies no softmax scale)
   jax_pallas_decode  jax.experimental.pallas.ops.gpu.decode_attention (its gqa kernel) on contiguous K/V: pages
                      gathered and transposed to [B, Hkv, L, D] first (D1, D2)
   jax_pallas_paged   jax.experimental.pallas.ops.gpu.paged_attention on [Hkv, pages, page_size, D] (transposed
@@ -137,6 +141,72 @@ def _prepare_jax_mha(batches: list[Batch], options: Options) -> Prepared:
             for b in batches]
     note = f"K/V heads repeated x{group}" + (", packed with segment_ids" if segments is not None else "")
     return Prepared(fn, args, lambda out: out[0, :T], note=note)
+
+
+# what attention_mgpu's own benchmark settles on at D=128 (its first try, block_kv 256, overflows smem)
+MGPU_CONFIG = dict(block_q=64, block_kv=128, max_concurrent_steps=2)
+
+
+def _length_groups(host: HostBatch) -> tuple[list[np.ndarray], np.ndarray]:
+    """Prefill requests grouped by length, for kernels that take dense ``[n, L, H, D]`` and no varlen.
+
+    Returns the packed rows of each group, i32[n, L] (the n requests of length L, lengths ascending), and
+    i32[num_tokens]: the permutation that takes the groups' outputs, flattened and concatenated, back to packed order.
+    """
+    rows = [(host.cu_query_lens[idx, None] + np.arange(host.q_lens[idx[0]])[None, :]).astype(np.int32)
+            for idx in _jnp_groups(host)]
+    # the groups cover every packed row exactly once: the inverse of their concatenation is a gather, no scatter
+    inverse = np.argsort(np.concatenate([r.ravel() for r in rows])).astype(np.int32)
+    return rows, inverse
+
+
+def _ungroup(outs, inverse):
+    """Per-group outputs ``[n, L, H, D]`` -> packed ``[num_tokens, H, D]`` (``inverse`` from :func:`_length_groups`)."""
+    return jnp.concatenate([o.reshape(-1, *o.shape[2:]) for o in outs])[inverse]
+
+
+def _mgpu_fn(config):
+    """One jitted call per length group: fn(qs, ks, vs) with tuples of [n, L, Hq, D] / [n, L, Hkv, D]."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    @jax.jit
+    def fn(qs, ks, vs):
+        return tuple(attention_mgpu.attention(q, k, v, config=config) for q, k, v in zip(qs, ks, vs))
+
+    return fn
+
+
+def _prepare_jax_mgpu(batches: list[Batch], options: Options) -> Prepared:
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    if options.interpret:
+        raise NotImplementedError("jax_pallas_mgpu is a Mosaic GPU (Hopper) kernel: GPU only, no interpret mode")
+    host, spec = batches[0].host, batches[0].spec
+    config = attention_mgpu.TuningConfig(**MGPU_CONFIG, causal=True)
+    if spec.head_dim % 64:
+        raise NotImplementedError(f"jax_pallas_mgpu needs head_dim a multiple of 64, got {spec.head_dim=}")
+    tile = math.lcm(2 * config.block_q, config.block_kv)  # two compute warpgroups of block_q rows per program
+    if np.any(host.q_lens % tile):  # P1/P2 lengths are multiples of 256: no tail padding written for others
+        raise NotImplementedError(f"jax_pallas_mgpu needs every length a multiple of {tile}, got "
+                                  f"{sorted(set(host.q_lens.tolist()))}")
+    rows, inverse = _length_groups(host)
+    rows_j, inverse_j = [jnp.asarray(r) for r in rows], jnp.asarray(inverse)
+    scale = _scale(spec)
+
+    # fp16, not bf16: jax 0.11.2's kernel declares its q/k/v smem as fp16 and its TMA copies refuse bf16; Hopper's
+    # wgmma runs both at one rate. The kernel applies no softmax scale, so q carries it (one rounding, in f32).
+    def args_for(b: Batch):
+        a = b.arrays
+        q = (a["q"].astype(jnp.float32) * scale).astype(jnp.float16)
+        k, v = a["k"].astype(jnp.float16), a["v"].astype(jnp.float16)
+        return tuple(q[r] for r in rows_j), tuple(k[r] for r in rows_j), tuple(v[r] for r in rows_j)
+
+    def canonical(outs):  # per group [n, L, Hq, D] fp16 -> packed [T, Hq, D] in the workload's dtype
+        return _ungroup(outs, inverse_j).astype(spec.jnp_dtype)
+
+    shapes = ", ".join(f"{r.shape[0]}x{r.shape[1]}" for r in rows)
+    note = (f"{len(rows)} call(s), one per length group [{shapes}]; fp16, q pre-scaled; block_q {config.block_q}, "
+            f"block_kv {config.block_kv}, {config.max_concurrent_steps} stages")
+    return Prepared(_mgpu_fn(config), [args_for(b) for b in batches], canonical, note=note)
 
 
 def _contiguous_kv(batch: Batch, L_pad: int):
@@ -340,6 +410,7 @@ ANCHORS: list[Impl] = [
     Impl("cudnn/packed", _ids("P1"), _prepare_cudnn_packed),
     Impl("cudnn/paged", _ids("D1", "D2"), _prepare_cudnn_paged),
     Impl("jax_pallas_mha", _ids("P1", "P2"), _prepare_jax_mha),
+    Impl("jax_pallas_mgpu", _ids("P1", "P2"), _prepare_jax_mgpu),
     Impl("jax_pallas_decode", _ids("D1", "D2"), _prepare_jax_decode),
     Impl("jax_pallas_paged", _ids("D1", "D2", "V1"), _prepare_jax_paged),
     Impl("jnp", lambda s: not s.id.startswith("split-"), _prepare_jnp),

@@ -49,6 +49,9 @@ from pallas_attn import masks, metadata, softmax
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 COMPUTE_WGS = 2  # two query heads of one KV group per program
 BLOCK_KV = 128  # keys per K/V slot; a third slot (max_concurrent_steps=3) overflows shared memory at D 128
+ROW_ALIGN = 8  # TMA into (8, 64)-tiled shared memory: a tile's packed row offset must be a provable multiple of 8
+PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # padding rows one program zeroes (rows past cu_seqlens[-1] must come out 0)
+STORE_CHUNKS = (64, 32, 16, 8, 4, 2, 1)  # TMA stores of [lo, hi) rows: greedy, each size at most once
 
 
 def supported(q, k) -> str | None:
@@ -65,53 +68,94 @@ def supported(q, k) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
-def _kernel(cu_ref, tiles_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, group: int, num_q_tiles: int,
-            block_kv: int, mcs: int, causal: bool, scale2: float):
-    (q_smem, o_smem, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
-    m = num_q_tiles - 1 - lax.axis_index("q_seq")  # longest-first
+def _store_rows(o_smem, o_ref, row0, lo, hi, head):
+    """TMA-store rows ``[lo, hi)`` of ``o_smem [BLOCK_Q, D]`` (untiled) to packed rows ``row0 + [lo, hi)`` of
+    ``o_ref[:, head]``: whole tile in one copy, a partial one in at most six, never touching a row outside."""
+    cur = lo
+    for size in STORE_CHUNKS:
+        take = hi - cur >= size
+
+        @pl.when(take)
+        def _store(cur=cur, size=size):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(cur, size)], o_ref.at[pl.ds(row0 + cur, size), head])
+
+        cur = cur + jnp.where(take, size, 0)
+
+
+def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *,
+            group: int, num_tile_slots: int, block_kv: int, mcs: int, causal: bool, scale2: float,
+            accumulate: bool):
+    (q_smem, o_smem, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free), schedule = scoped
     pair = lax.axis_index("heads")
-    b = lax.axis_index("batch")
+    w = lax.axis_index("work")
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
+    q_head = pair * COMPUTE_WGS + wg
     kv_head = lax.div(pair * COMPUTE_WGS, jnp.int32(group))
-    seq_len = cu_ref[b + 1] - cu_ref[b]
-    row0 = tiles_ref[b] * BLOCK_Q  # the request's first staged row: a multiple of the tile, as TMA's tiling needs
-    q0 = m * BLOCK_Q  # request-local first query of the tile
-    live = q0 < seq_len
-    q_end = jnp.minimum(q0 + BLOCK_Q, seq_len)
-    full_steps, kv_steps = masks.kv_tile_ranges(q0, q_end - 1, seq_len, block_kv, causal=causal)
+    is_tile = w < num_tile_slots
+    b_raw = work_req_ref[jnp.minimum(w, num_tile_slots - 1)]
+    live = is_tile & (b_raw >= 0)
+    b = jnp.maximum(b_raw, 0)
+    m = work_tile_ref[jnp.minimum(w, num_tile_slots - 1)]
+    start = cu_ref[b]
+    seq_len = cu_ref[b + 1] - start
+    # The tile's rows sit at packed rows row0 + [0, 64): row0 is start rounded down to ROW_ALIGN (+ 64 m), so the
+    # Q load is a plain TMA of the packed layout; rows before the request (r < lo) or after it (r >= hi) are loaded,
+    # masked or ignored, and never stored.
+    base = lax.div(start, jnp.int32(ROW_ALIGN)) * ROW_ALIGN
+    row0 = base + m * BLOCK_Q
+    q0 = row0 - start  # request-local position of the tile's row 0 (negative: the previous request's rows)
+    lo = jnp.maximum(-q0, 0)
+    hi = jnp.minimum(seq_len - q0, BLOCK_Q)
+    full_steps, kv_steps = masks.kv_tile_ranges(q0 + lo, q0 + hi - 1, seq_len, block_kv, causal=causal)
+    kv_row0 = kv_tiles_ref[b] * block_kv  # K/V are staged: request b from this multiple of the window, zeros after
+
+    def schedule_turn():  # FA3's ping-pong: the two compute warpgroups take turns on the tensor cores
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
 
     @pl.when(live & (wg < COMPUTE_WGS))
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        q_head = pair * COMPUTE_WGS + wg
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 + q0, BLOCK_Q), q_head], q_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BLOCK_Q), q_head], q_smem.at[wg], q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        def pv_dot(p16, v_slot):
-            """``P @ V`` for softmax.online_softmax_step: a fresh accumulator, not wgmma into a pre-initialised one
-            (pl.run_state), which the Mosaic GPU interpreter cannot run; one code path on CPU and GPU."""
-            if p_smem is not None:  # interpret mode: the interpreter takes wgmma's A operand from shared memory only
-                p_smem.at[wg][...] = p16
-                plgpu.commit_smem()
-                p16 = p_smem.at[wg]
+        def wait_k(j):
+            pl.when(j < kv_steps)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(j, jnp.int32(mcs))]))
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_slot)
+        def pv_dot(j, p16, acc):
+            """``acc + P @ V``, waiting for the next K tile while the wgmma runs."""
+            v_slot = v_smem.at[lax.rem(j, jnp.int32(mcs))]
+            if accumulate:  # compiled: wgmma into the scaled accumulator itself
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_slot)
+                    wait_k(j + 1)
+
+                return pl.run_state(pv)(plgpu.ACC.init(acc))
+            # Interpret mode: the interpreter takes wgmma's A operand from shared memory only and cannot run
+            # pl.run_state with a pre-initialised accumulator, so P goes through smem into a fresh accumulator.
+            p_smem.at[wg][...] = p16
+            plgpu.commit_smem()
+
+            def pv_fresh(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem.at[wg], v_slot)
+                wait_k(j + 1)
                 return acc_ref[...]
 
-            return pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
+            return acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32))
 
         def step(j, state, masked: bool):
+            acc, m_i, l_i = state
             slot = lax.rem(j, jnp.int32(mcs))
-            plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                schedule_turn()  # the other warpgroup's P @ V goes next, while this one's Q Kᵀ finishes
                 return acc_ref[...]
 
             s2 = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32)) * scale2
@@ -124,21 +168,31 @@ def _kernel(cu_ref, tiles_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g
                 cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1,
                                               layout=plgpu.Layout.WGMMA) + j * block_kv
                 s2 = jnp.where((cols <= rows) if causal else (cols < seq_len), s2, -jnp.inf)
+            m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s2)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            # Keep the softmax ahead of the barriers (as JAX's attention_mgpu does): the scheduler must not sink it
+            # into the other warpgroup's turn.
+            acc, m_i, l_i, p16 = lax.optimization_barrier((acc, m_i, l_i, p16))
+            plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(v_bar.at[slot])
-            state = softmax.online_softmax_step(state, s2, v_smem.at[slot], pv_dot)
+            plgpu.barrier_wait(schedule)
+            acc = pv_dot(j, p16, acc)
             pl.when(refill)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
-            return state
+            return acc, m_i, l_i
 
+        wait_k(jnp.int32(0))
+        pl.when(wg == 1)(schedule_turn)  # warpgroup 1 starts half a step behind warpgroup 0
         state = softmax.kv_loop((acc, m_i, l_i), 0, full_steps, kv_steps, step)
+        pl.when(wg == 0)(schedule_turn)
         out, lse = softmax.finalize(state)
         o_smem.at[wg][...] = out.astype(dtype)
         if lse_ref is not None:
             lse_smem.at[wg][...] = lse
         plgpu.commit_smem()
-        # A whole tile: rows past the request's end are its own staging padding, never a neighbour's rows.
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(row0 + q0, BLOCK_Q), q_head])
+        _store_rows(o_smem.at[wg], o_ref, row0, lo, hi, q_head)
         if lse_ref is not None:
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, q_head, pl.ds(q0, BLOCK_Q)])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, q_head, pl.ds(m * BLOCK_Q, BLOCK_Q)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(live & (wg == COMPUTE_WGS))
@@ -146,7 +200,7 @@ def _kernel(cu_ref, tiles_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g
         plgpu.set_max_registers(40, action="decrease")
 
         def load(step, slot):
-            rows = (pl.ds(row0 + step * block_kv, block_kv), kv_head)
+            rows = (pl.ds(kv_row0 + step * block_kv, block_kv), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
@@ -160,8 +214,40 @@ def _kernel(cu_ref, tiles_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, g
             plgpu.barrier_wait(v_free.at[slot])  # ... and V
             load(step + mcs, slot)
 
+    @pl.when(jnp.logical_not(is_tile) & (wg < COMPUTE_WGS))
+    def _zero_padding():  # rows past cu_seqlens[-1]: PAD_ROWS_PER_SLOT of them per program, this warpgroup's head
+        num_rows = o_ref.shape[0]
+        first = cu_ref[cu_ref.shape[0] - 1] + (w - num_tile_slots) * PAD_ROWS_PER_SLOT
+
+        @pl.when(first < num_rows)
+        def _zero():
+            o_smem.at[wg][...] = jnp.zeros((BLOCK_Q, head_dim), dtype)
+            plgpu.commit_smem()
+            for c in range(PAD_ROWS_PER_SLOT // BLOCK_Q):
+                row = first + c * BLOCK_Q
+                _store_rows(o_smem.at[wg], o_ref, row, 0, jnp.clip(num_rows - row, 0, BLOCK_Q), q_head)
+            plgpu.wait_smem_to_gmem(0)
+
 
 # -------------------------------------------------------------------------------------------- pallas_call
+def _work_list(cu_seqlens, num_slots: int, causal: bool):
+    """Query tiles, heaviest first: ``(request i32[num_slots], tile i32[num_slots])``, request -1 for unused slots.
+
+    Request ``b`` has ``cdiv(len_b + cu_seqlens[b] % 8, 64)`` tiles (its rows from ``cu_seqlens[b]`` rounded down to
+    8). Sorting by the keys each tile visits (longest first) gives the tail of the grid the short tiles, wherever
+    their request sits in the batch."""
+    starts, q_lens = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+    shift = starts % ROW_ALIGN
+    n_tiles = jnp.where(q_lens > 0, (q_lens + shift + BLOCK_Q - 1) // BLOCK_Q, 0)
+    cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_tiles).astype(jnp.int32)])
+    req = metadata.token_requests(cu_tiles, num_slots)
+    safe = jnp.maximum(req, 0)
+    tile = jnp.arange(num_slots, dtype=jnp.int32) - cu_tiles[safe]
+    keys = jnp.minimum((tile + 1) * BLOCK_Q - shift[safe], q_lens[safe]) if causal else q_lens[safe]
+    order = jnp.argsort(jnp.where(req >= 0, -keys, 1), stable=True)
+    return req[order], tile[order]
+
+
 def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
                             interpret: bool, max_concurrent_steps: int = 2):
     """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`."""
@@ -171,65 +257,68 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
-    num_q_tiles = pl.cdiv(max(max_seqlen, 1), BLOCK_Q)
     block_kv = BLOCK_KV
-    # Tile-aligned staging: Mosaic GPU's TMA into tiled shared memory needs row offsets it can prove are multiples
-    # of the tile, which packed request starts are not. Request b's rows move to row BLOCK_Q * cu_tiles[b]; the rows
-    # after it up to the next tile boundary are zeros, so whole-tile loads past a request's end read zeros or the
-    # next request's finite rows (masked), never padding NaNs, and whole-tile stores land in its own padding.
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
-    valid, req = token_req >= 0, jnp.maximum(token_req, 0)
+    tiles_per_seq = pl.cdiv(max(max_seqlen, 1) + ROW_ALIGN - 1, BLOCK_Q)
+    num_tile_slots = min(pl.cdiv(num_tokens, BLOCK_Q) + 2 * num_seqs, num_seqs * tiles_per_seq)
+    num_pad_slots = pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT)
+    work_req, work_tile = _work_list(cu_seqlens, num_tile_slots, causal)
+
+    # K/V staging: a whole-window P @ V past a request's end must meet zeros, not a neighbour's (or padding's) NaN
+    # (0 · NaN = NaN), and TMA into tiled shared memory needs tile-aligned rows. Request b's keys move to row
+    # block_kv * kv_tiles[b], zeros after it up to the next window. Q and O stay in the packed layout (4x the bytes
+    # at GQA 4): a Q row of another request only makes its own score row garbage, and stores are row-exact.
     q_lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + BLOCK_Q - 1) // BLOCK_Q)])
-    # + one tile: windows past the end; whole tiles, since TMA needs the row count a multiple of its 8-row tiling
-    staged_rows = pl.cdiv(num_tokens + BLOCK_Q * num_seqs, BLOCK_Q) * BLOCK_Q + max(BLOCK_Q, block_kv)
-    staged = jnp.where(valid, BLOCK_Q * cu_tiles[req] + token - cu_seqlens[req], staged_rows)
-    # Staging as a gather (each staged row finds its token): XLA's scatter of 8 KB rows ran at ~250 GB/s.
+    kv_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + block_kv - 1) // block_kv)])
+    staged_rows = pl.cdiv(num_tokens + block_kv * num_seqs, block_kv) * block_kv
     row = jnp.arange(staged_rows, dtype=jnp.int32)
-    row_req = metadata.token_requests(BLOCK_Q * cu_tiles, staged_rows)  # the request whose tiles hold the row
+    row_req = metadata.token_requests(block_kv * kv_tiles, staged_rows)  # the request whose windows hold the row
     row_req_safe = jnp.maximum(row_req, 0)
-    src = cu_seqlens[row_req_safe] + row - BLOCK_Q * cu_tiles[row_req_safe]
+    src = cu_seqlens[row_req_safe] + row - block_kv * kv_tiles[row_req_safe]
     live_row = (row_req >= 0) & (src < cu_seqlens[row_req_safe + 1])
     src = jnp.where(live_row, src, 0)
+    # A gather (each staged row finds its token): XLA's scatter of 8 KB rows ran at ~250 GB/s.
     stage = lambda x: jnp.where(live_row[:, None, None], x[src], jnp.zeros((), x.dtype))  # noqa: E731
-    q, k, v = stage(q), stage(k), stage(v)
+    k, v = stage(k), stage(v)
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     scratch = (
         (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, **tiled),  # Q, one per compute warpgroup
-         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),  # O: untiled, filled from registers
+         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype),  # O: untiled, so any row range can be stored
          plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), k.dtype, **tiled),
          plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), v.dtype, **tiled),
          plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32) if return_lse else None,
-         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, block_kv), q.dtype, **tiled) if interpret else None),  # P, see _kernel
+         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, block_kv), q.dtype, **tiled) if interpret else None),  # P, see pv_dot
         (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=max_concurrent_steps),
          plgpu.Barrier(num_barriers=max_concurrent_steps)),
         (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_concurrent_steps),) * 2,
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     )
     body = functools.partial(
-        _kernel, group=num_q_heads // num_kv_heads, num_q_tiles=num_q_tiles, block_kv=block_kv,
-        mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E)
+        _kernel, group=num_q_heads // num_kv_heads, num_tile_slots=num_tile_slots, block_kv=block_kv,
+        mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E, accumulate=not interpret)
 
-    def entry(cu_ref, tiles_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
-        pl.run_scoped(lambda *s: body(cu_ref, tiles_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s), *scratch,
-                      collective_axes="wg")
+    def entry(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        pl.run_scoped(lambda *s: body(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref,
+                                      lse_ref, s), *scratch, collective_axes="wg")
 
-    out_type = [jax.ShapeDtypeStruct((staged_rows, num_q_heads, head_dim), q.dtype),
-                jax.ShapeDtypeStruct((num_seqs, num_q_heads, num_q_tiles * BLOCK_Q), jnp.float32)
+    out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((num_seqs, num_q_heads, tiles_per_seq * BLOCK_Q), jnp.float32)
                 if return_lse else None]
     interpret_params = None
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_params = InterpretGPUParams()
+    # The head pairs of one tile launch together (grid x): the two pairs of a KV group read its K/V at once (L2).
     out, lse_tiles = plgpu.kernel(
-        entry, out_type=out_type, grid=(num_q_tiles, num_q_heads // COMPUTE_WGS, num_seqs),
-        grid_names=("q_seq", "heads", "batch"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        entry, out_type=out_type, grid=(num_q_heads // COMPUTE_WGS, num_tile_slots + num_pad_slots),
+        grid_names=("heads", "work"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params,
-    )(cu_seqlens, cu_tiles, q, k, v)
-    out = jnp.where(valid[:, None, None], out[jnp.minimum(staged, staged_rows - 1)], jnp.zeros((), out.dtype))
+    )(cu_seqlens, kv_tiles, work_req, work_tile, q, k, v)
     if not return_lse:
         return out, None
-    local = token - cu_seqlens[req]
-    lse = lse_tiles[req, :, jnp.clip(local, 0, num_q_tiles * BLOCK_Q - 1)]  # [T, Hq]
+    token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
+    valid, req = token_req >= 0, jnp.maximum(token_req, 0)
+    # the LSE tiles are in the kernel's row coordinates: request-local position + cu_seqlens[b] % 8
+    local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[req] + cu_seqlens[req] % ROW_ALIGN
+    lse = lse_tiles[req, :, jnp.clip(local, 0, tiles_per_seq * BLOCK_Q - 1)]  # [T, Hq]
     return out, jnp.where(valid[:, None], lse, -jnp.inf)

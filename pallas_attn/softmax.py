@@ -35,6 +35,23 @@ def approx_exp2(x):
     return y
 
 
+def softmax_update(m, l, s2, exp2=jnp.exp2):
+    """One key tile's softmax bookkeeping, before its ``P @ V``.
+
+    Args:
+      m, l: ``[M]`` running max (base 2) and sum.
+      s2: ``[M, N]`` float32 scores in base 2, ``-inf`` where masked.
+
+    Returns:
+      ``(m_new, alpha [M], p [M, N] f32, l_new)``: the accumulator is to be scaled by ``alpha`` and ``p @ v`` added.
+    """
+    m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet: exponents against 0
+    alpha = exp2(m - m_safe)  # [M]; 0 for a row's first visible tile (m = -inf)
+    p = exp2(s2 - m_safe[:, None])  # [M, N]; masked entries are exp2(-inf) = 0
+    return m_new, alpha, p, alpha * l + jnp.sum(p, axis=1)
+
+
 def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2):
     """Fold one key tile into the running state.
 
@@ -46,13 +63,8 @@ def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2):
       exp2: ``jnp.exp2`` (interpret mode, exact) or :func:`approx_exp2` (compiled).
     """
     acc, m, l = state
-    m_new = jnp.maximum(m, jnp.max(s2, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet: exponents against 0
-    alpha = exp2(m - m_safe)  # [M]; 0 for a row's first visible tile (m = -inf)
-    p = exp2(s2 - m_safe[:, None])  # [M, N]; masked entries are exp2(-inf) = 0
-    l = alpha * l + jnp.sum(p, axis=1)
-    acc = alpha[:, None] * acc + dot(p.astype(v.dtype), v)
-    return acc, m_new, l
+    m_new, alpha, p, l = softmax_update(m, l, s2, exp2)
+    return alpha[:, None] * acc + dot(p.astype(v.dtype), v), m_new, l
 
 
 def finalize(state):

@@ -1,12 +1,16 @@
 """The benchmark harness runs end to end: ``--tiny`` mode, one workload (P1), one implementation (pallas_attn).
 
-Interpreted on CPU (a few seconds), compiled on a GPU; checks the JSON rows DESIGN.md §4 asks for.
+Interpreted on CPU (a few seconds), compiled on a GPU; checks the JSON rows DESIGN.md §4 asks for. The
+``jax_pallas_mgpu`` anchor (GPU only) is checked without a GPU: its per-length-group layout round-trips packed rows
+exactly, it refuses what it cannot run, and its P1/P2 function lowers for an abstract H200 (~4 s).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import types
 
 import pytest
 
@@ -56,3 +60,76 @@ def test_standard_workloads_match_design():
     assert v1.num_tokens == 32 * 6
     p1 = wl.build_host(wl.WORKLOADS["P1"])
     assert p1.num_tokens == 29184 and p1.flops() == 4 * sum(n * (n + 1) // 2 for n in p1.seq_lens) * 128 * 32
+
+
+# ------------------------------------------------------------------------------------ jax_pallas_mgpu anchor
+P1_GROUPS = [(2, 256), (4, 512), (4, 1024), (3, 2048), (2, 4096), (1, 8192)]  # (requests, length), lengths ascending
+
+
+def _small_heads(spec):
+    """The workload's lengths with few, mgpu-legal heads: the layout work runs on CPU in a second."""
+    return dataclasses.replace(spec, num_q_heads=2, num_kv_heads=1, head_dim=64)
+
+
+def test_jax_pallas_mgpu_groups_round_trip_p1():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from benchmarks import anchors, impls, workloads as wl
+    host = wl.build_host(_small_heads(wl.WORKLOADS["P1"]))
+    rows, inverse = anchors._length_groups(host)
+    assert [r.shape for r in rows] == P1_GROUPS
+    for r in rows:  # each group row is one whole request, in packed order
+        starts = r[:, 0]
+        assert set(starts) <= set(host.cu_query_lens[:-1].tolist())
+        assert np.array_equal(r, starts[:, None] + np.arange(r.shape[1])[None, :])
+    packed = np.arange(host.num_tokens)
+    assert np.array_equal(np.asarray(anchors._ungroup([packed[r] for r in rows], inverse)), packed)
+
+    batch = wl.build_arrays(host, jax.random.key(0))
+    prepared = anchors._prepare_jax_mgpu([batch], impls.Options(interpret=False))
+    qs, ks, vs = prepared.args[0]
+    s = host.spec
+    assert [q.shape for q in qs] == [(*g, s.num_q_heads, s.head_dim) for g in P1_GROUPS]
+    assert [k.shape for k in ks] == [(*g, s.num_kv_heads, s.head_dim) for g in P1_GROUPS]
+    assert all(x.dtype == jnp.float16 for x in (*qs, *ks, *vs))
+    a = batch.arrays
+    through_fp16 = lambda x: np.asarray(x.astype(jnp.float16).astype(s.jnp_dtype))
+    assert np.array_equal(np.asarray(prepared.canonical(ks)), through_fp16(a["k"]))
+    assert np.array_equal(np.asarray(prepared.canonical(vs)), through_fp16(a["v"]))
+    scaled_q = a["q"].astype(jnp.float32) * (1 / math.sqrt(s.head_dim))
+    assert np.array_equal(np.asarray(prepared.canonical(qs)), through_fp16(scaled_q))
+    assert "6 call(s)" in prepared.note
+
+
+@pytest.mark.parametrize("tiny, interpret, lengths, match", [
+    (True, True, None, "GPU only"),
+    (True, False, None, "head_dim"),
+    (False, False, (256, 96), "multiple of 128"),
+])
+def test_jax_pallas_mgpu_refuses(tiny, interpret, lengths, match):
+    import jax
+    from benchmarks import anchors, impls, workloads as wl
+    spec = (wl.TINY_WORKLOADS if tiny else wl.WORKLOADS)["P1"]
+    if lengths is not None:
+        spec = _small_heads(dataclasses.replace(spec, groups=(wl.Group(lengths),)))
+    batch = wl.build_arrays(wl.build_host(spec), jax.random.key(0))
+    with pytest.raises(NotImplementedError, match=match):
+        anchors._prepare_jax_mgpu([batch], impls.Options(interpret=interpret, tiny=tiny))
+
+
+@pytest.mark.parametrize("workload", ["P1", "P2"])
+def test_jax_pallas_mgpu_lowers_for_h200(workload, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    from benchmarks import anchors, workloads as wl
+    from tests.test_lowering import _lower
+    # a CPU jaxlib has no CUDA runtime to report; the kernel asks only to refuse causal on CUDA 12.8.0..12.9.0
+    monkeypatch.setattr(attention_mgpu, "cuda_versions", types.SimpleNamespace(cuda_runtime_get_version=lambda: 12091))
+    s = wl.WORKLOADS[workload]
+    rows, _ = anchors._length_groups(wl.build_host(s))
+    fn = anchors._mgpu_fn(attention_mgpu.TuningConfig(**anchors.MGPU_CONFIG, causal=True))
+    shapes = lambda h: tuple(jax.ShapeDtypeStruct((*r.shape, h, s.head_dim), jnp.float16) for r in rows)
+    text = _lower(fn, shapes(s.num_q_heads), shapes(s.num_kv_heads), shapes(s.num_kv_heads))
+    assert text.count("custom_call @mosaic_gpu") == len(rows)
