@@ -14,6 +14,7 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
   pallas_attn/parts      a mixed ragged batch run as separate calls, one per request group (decodes through
                          ``paged_decode_attention``, the others through ``paged_attention``)
   pallas_attn/mosaic     varlen prefill with ``backend="mosaic"`` (the Hopper kernel; GPU only)
+  pallas_attn/triton     varlen prefill with ``backend="triton"`` (the default picks per GPU and shape)
 """
 
 from __future__ import annotations
@@ -219,6 +220,8 @@ OUR_IMPLS: list[Impl] = [
          anchor=False),
     Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False),
     Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_prefill(b, o, backend="mosaic"), anchor=False),
+    Impl(f"{OURS}/triton", lambda s: s.kind == "prefill", lambda b, o: _prepare_prefill(b, o, backend="triton"),
+         anchor=False),
 ]
 
 

@@ -48,3 +48,11 @@ def num_sms() -> int:
         if count:
             return int(count)
     return H200_SM_COUNT
+
+
+@functools.cache
+def is_hopper() -> bool:
+    """A compiled sm_90 GPU (H100 / H200): where the Mosaic GPU kernels (wgmma, TMA) run."""
+    if not on_gpu():
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")

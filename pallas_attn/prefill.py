@@ -176,6 +176,19 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
 
 
 BACKENDS = ("triton", "mosaic")
+# The default on sm_90 (measured on the H200, benchmarks/NOTES.md): the Mosaic kernel from this max_seqlen on at
+# head_dim 128; the Triton kernel for short requests (a 64-row tile with one or two K/V steps is latency, where
+# Triton's several programs per SM win) and head_dim 64.
+MOSAIC_MIN_SEQLEN = 512
+MOSAIC_HEAD_DIMS = (128,)
+
+
+def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
+    """``varlen_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU where it applies and was measured
+    faster, else "triton"."""
+    if interpret or not backend_lib.is_hopper() or prefill_mosaic.supported(q, k) is not None:
+        return "triton"
+    return "mosaic" if q.shape[-1] in MOSAIC_HEAD_DIMS and max_seqlen >= MOSAIC_MIN_SEQLEN else "triton"
 
 
 @functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "return_lse", "interpret",
@@ -199,9 +212,10 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.backend`).
       config: block sizes / warps / stages (:class:`pallas_attn.config.PrefillConfig`); None → tuned default.
         Triton backend only.
-      backend: "triton" (default for now) or "mosaic": the Hopper kernel of :mod:`pallas_attn.prefill_mosaic`
-        (wgmma, TMA, warp specialisation; bf16/fp16, head_dim 64 or 128, even GQA groups — anything else raises).
-        Interpreted on CPU by the Mosaic GPU interpreter.
+      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.prefill_mosaic` (wgmma, TMA, warp
+        specialisation; bf16/fp16, head_dim 64 or 128, even GQA groups — anything else raises; interpreted on CPU
+        by the Mosaic GPU interpreter). None: :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it
+        applies and was measured faster (head_dim 128, ``max_seqlen >= MOSAIC_MIN_SEQLEN``), else Triton.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked).
@@ -215,6 +229,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     interpret = backend_lib.resolve_interpret(interpret)
     if backend not in (None, *BACKENDS):
         raise ValueError(f"backend must be one of {BACKENDS} or None; got {backend!r}")
+    if backend is None:
+        backend = "triton" if config is not None else default_backend(q, k, max_seqlen, interpret)
     if backend == "mosaic":
         if config is not None:
             raise ValueError("config= tunes the Triton kernel; the Mosaic kernel takes none (pass backend='triton')")

@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_attn import varlen_attention  # noqa: E402
+from pallas_attn import prefill_mosaic, varlen_attention  # noqa: E402
 from pallas_attn.testing import relative_l2  # noqa: E402
 
 P1 = [8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256]
@@ -29,8 +29,13 @@ WORKLOADS = {"P1": (P1, 128, True), "P2": ([32768], 128, True),
              "P1-unaligned": ([n + int(d) for n, d in zip(P1, _rng.integers(-7, 8, len(P1)))], 128, True),
              "R64": ([int(x) for x in _rng.integers(128, 4097, 64)], 128, True),
              "short-256x128": ([128] * 256, 128, True),
+             "short-128x256": ([256] * 128, 128, True),
+             "short-64x512": ([512] * 64, 128, True),
              "P1-d64": (P1, 64, True),
              "noncausal-4x8192": ([8192] * 4, 128, False)}
+
+
+PIPELINED = os.environ.get("PIPELINED", "P1,P2").split(",")  # also time the intra-warpgroup pipelined schedule
 
 
 def timeit(f, *args, reps=7, inner=10):
@@ -69,11 +74,21 @@ def main() -> int:
             print(f"{name} mosaic FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
             rows.append(dict(workload=name, impl="mosaic", error=f"{type(e).__name__}: {str(e)[:500]}"))
             continue
-        for impl, f in (("triton", triton), ("mosaic", mosaic)):
+        impls = [("triton", triton), ("mosaic", mosaic)]
+        if name in PIPELINED:
+            pipelined = jax.jit(lambda q, k, v, cu: prefill_mosaic.varlen_attention_mosaic(
+                q, k, v, cu, max_seqlen=max(lens), causal=causal, scale=d ** -0.5, return_lse=False,
+                interpret=False, schedule="pipelined")[0])
+            try:
+                print(f"{name} pipelined rel L2 vs triton {float(relative_l2(pipelined(q, k, v, cu), ref)):.2e}")
+                impls.append(("mosaic/pipelined", pipelined))
+            except Exception as e:
+                print(f"{name} pipelined FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+        for impl, f in impls:
             s = timeit(f, q, k, v, cu)
             rows.append(dict(workload=name, impl=impl, head_dim=d, causal=causal, num_seqs=len(lens), tokens=t,
                              median_ms=s * 1e3, tflops=flops / s / 1e12,
-                             rel_l2_vs_triton=err if impl == "mosaic" else 0.0))
+                             rel_l2_vs_triton=err if impl == "mosaic" else None))
             print(f"{name} {impl:7s} {s * 1e3:8.3f} ms {flops / s / 1e12:7.1f} TFLOP/s  rel L2 vs triton {err:.2e}",
                   flush=True)
     out_dir = os.environ.get("OUT", "/tmp")
