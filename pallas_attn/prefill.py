@@ -179,7 +179,7 @@ BACKENDS = ("triton", "mosaic")
 # The default on sm_90 (measured on the H200, benchmarks/NOTES.md): the Mosaic kernel from this max_seqlen on at
 # head_dim 128; the Triton kernel for short requests (a 64-row tile with one or two K/V steps is latency, where
 # Triton's several programs per SM win) and head_dim 64.
-MOSAIC_MIN_SEQLEN = 512
+MOSAIC_MIN_SEQLEN = 1024
 MOSAIC_HEAD_DIMS = (128,)
 
 

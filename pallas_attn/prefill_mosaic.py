@@ -84,7 +84,7 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
 
 def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *,
             group: int, num_tile_slots: int, block_kv: int, mcs: int, causal: bool, scale2: float,
-            accumulate: bool, schedule_kind: str):
+            accumulate: bool, q_tiled_tma: bool):
     (q_smem, o_smem, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free), schedule = scoped
     pair = lax.axis_index("heads")
     w = lax.axis_index("work")
@@ -118,8 +118,15 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
     @pl.when(live & (wg < COMPUTE_WGS))
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, BLOCK_Q), q_head], q_smem.at[wg], q_bar.at[wg])
-        plgpu.barrier_wait(q_bar.at[wg])
+        q_rows = q_ref.at[pl.ds(row0, BLOCK_Q), q_head]
+        if q_tiled_tma:
+            plgpu.copy_gmem_to_smem(q_rows, q_smem.at[wg], q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+        else:  # a TMA into tiled smem needs T in whole 8-row groups: land in (untiled) O, re-lay out through registers
+            plgpu.copy_gmem_to_smem(q_rows, o_smem.at[wg], q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            q_smem.at[wg][...] = plgpu.load(o_smem.at[wg], layout=plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
         m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -185,50 +192,10 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
         def release(free, j):  # only steps the memory warpgroup refills (it waits for exactly those)
             pl.when(j + mcs < kv_steps)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j, jnp.int32(mcs))]))
 
-        def pipelined(o_acc, s_acc):
-            """FA3's intra-warpgroup overlap: step j issues Q K_jᵀ and P_{j-1} V_{j-1} back to back and runs step j's
-            softmax while the second one is on the tensor cores."""
-            def scores(j):
-                s_acc[...] = plgpu.layout_cast(jnp.zeros((BLOCK_Q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
-                plgpu.wgmma(s_acc, q_smem.at[wg], k_smem.at[lax.rem(j, jnp.int32(mcs))].transpose((1, 0)))
-
-            def step(j, carry, masked: bool):
-                p16, m_i, l_i = carry
-                wait_k(j)
-                scores(j)
-                prev = lax.rem(j - 1, jnp.int32(mcs))
-                plgpu.barrier_wait(v_bar.at[prev])
-                plgpu.wgmma(o_acc, p16, v_smem.at[prev])
-                s2 = plgpu.wgmma_accumulator_load(s_acc, wait_n=1) * scale2  # Q K_jᵀ done, P V may still run
-                release(k_free, j)
-                if masked:
-                    s2 = mask(j, s2)
-                m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s2)
-                p16 = p.astype(dtype)
-                o = plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
-                release(v_free, j - 1)
-                o_acc[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-                return p16, m_i, l_i
-
-            wait_k(jnp.int32(0))
-            scores(jnp.int32(0))
-            s2 = mask(0, plgpu.wgmma_accumulator_load(s_acc, wait_n=0) * scale2)  # a full tile's mask is all true
-            release(k_free, jnp.int32(0))
-            m0, _, p, l0 = softmax.softmax_update(m_i, l_i, s2)
-            p16, m_n, l_n = softmax.kv_loop((p.astype(dtype), m0, l0), 1, jnp.maximum(full_steps, 1), kv_steps, step)
-            last = kv_steps - 1
-            plgpu.barrier_wait(v_bar.at[lax.rem(last, jnp.int32(mcs))])
-            plgpu.wgmma(o_acc, p16, v_smem.at[lax.rem(last, jnp.int32(mcs))])
-            return plgpu.wgmma_accumulator_load(o_acc, wait_n=0), m_n, l_n
-
-        if schedule_kind == "pipelined":
-            state = pl.run_scoped(pipelined, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32),
-                                  plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
-        else:
-            wait_k(jnp.int32(0))
-            pl.when(wg == 1)(schedule_turn)  # warpgroup 1 starts half a step behind warpgroup 0
-            state = softmax.kv_loop((acc, m_i, l_i), 0, full_steps, kv_steps, step)
-            pl.when(wg == 0)(schedule_turn)
+        wait_k(jnp.int32(0))
+        pl.when(wg == 1)(schedule_turn)  # warpgroup 1 starts half a step behind warpgroup 0
+        state = softmax.kv_loop((acc, m_i, l_i), 0, full_steps, kv_steps, step)
+        pl.when(wg == 0)(schedule_turn)
         out, lse = softmax.finalize(state)
         o_smem.at[wg][...] = out.astype(dtype)
         if lse_ref is not None:
@@ -293,13 +260,8 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool):
 
 
 def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
-                            interpret: bool, max_concurrent_steps: int = 2, schedule: str = "pingpong"):
-    """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`.
-
-    ``schedule``: "pingpong" (the two compute warpgroups take turns on the tensor cores) or "pipelined" (each
-    overlaps its softmax with its own previous P·V; compiled only: the interpreter runs "pingpong")."""
-    if schedule not in ("pingpong", "pipelined"):
-        raise ValueError(f"schedule must be 'pingpong' or 'pipelined'; got {schedule!r}")
+                            interpret: bool, max_concurrent_steps: int = 2):
+    """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`."""
     reason = supported(q, k)
     if reason is not None:
         raise ValueError(f"the Mosaic prefill does not support {reason}")
@@ -328,8 +290,6 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     # A gather (each staged row finds its token): XLA's scatter of 8 KB rows ran at ~250 GB/s.
     stage = lambda x: jnp.where(live_row[:, None, None], x[src], jnp.zeros((), x.dtype))  # noqa: E731
     k, v = stage(k), stage(v)
-    if num_tokens % ROW_ALIGN:  # TMA's (8, 64) tiling wants whole 8-row groups: one copy of q, none when T is bucketed
-        q = jnp.pad(q, ((0, ROW_ALIGN - num_tokens % ROW_ALIGN), (0, 0), (0, 0)))
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     scratch = (
@@ -347,7 +307,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     body = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, num_tile_slots=num_tile_slots, block_kv=block_kv,
         mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E, accumulate=not interpret,
-        schedule_kind="pingpong" if interpret else schedule)
+        q_tiled_tma=num_tokens % ROW_ALIGN == 0)
 
     def entry(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
         pl.run_scoped(lambda *s: body(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref,

@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_attn import prefill_mosaic, varlen_attention  # noqa: E402
+from pallas_attn import varlen_attention  # noqa: E402
 from pallas_attn.testing import relative_l2  # noqa: E402
 
 P1 = [8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256]
@@ -33,9 +33,6 @@ WORKLOADS = {"P1": (P1, 128, True), "P2": ([32768], 128, True),
              "short-64x512": ([512] * 64, 128, True),
              "P1-d64": (P1, 64, True),
              "noncausal-4x8192": ([8192] * 4, 128, False)}
-
-
-PIPELINED = os.environ.get("PIPELINED", "P1,P2").split(",")  # also time the intra-warpgroup pipelined schedule
 
 
 def timeit(f, *args, reps=7, inner=10):
@@ -75,15 +72,6 @@ def main() -> int:
             rows.append(dict(workload=name, impl="mosaic", error=f"{type(e).__name__}: {str(e)[:500]}"))
             continue
         impls = [("triton", triton), ("mosaic", mosaic)]
-        if name in PIPELINED:
-            pipelined = jax.jit(lambda q, k, v, cu: prefill_mosaic.varlen_attention_mosaic(
-                q, k, v, cu, max_seqlen=max(lens), causal=causal, scale=d ** -0.5, return_lse=False,
-                interpret=False, schedule="pipelined")[0])
-            try:
-                print(f"{name} pipelined rel L2 vs triton {float(relative_l2(pipelined(q, k, v, cu), ref)):.2e}")
-                impls.append(("mosaic/pipelined", pipelined))
-            except Exception as e:
-                print(f"{name} pipelined FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
         for impl, f in impls:
             s = timeit(f, q, k, v, cu)
             rows.append(dict(workload=name, impl=impl, head_dim=d, causal=causal, num_seqs=len(lens), tokens=t,
@@ -93,7 +81,8 @@ def main() -> int:
                   flush=True)
     out_dir = os.environ.get("OUT", "/tmp")
     pathlib.Path(out_dir, "mosaic_probe.json").write_text(json.dumps(dict(
-        device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"), rows=rows),
+        device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+        commit=os.environ.get("COMMIT", "?"), rows=rows),
         indent=1))
     return 0
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import PrefillConfig, prefill_mosaic, reference, varlen_attention
+from pallas_attn import PrefillConfig, reference, varlen_attention
 from pallas_attn.testing import assert_attention_close, random_packed
 
 # name: (lens, num_q_heads, num_kv_heads, head_dim, causal, dtype); query tiles are 64 rows, K/V tiles 128.
@@ -123,13 +123,3 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
-
-def test_pipelined_schedule_lowers_for_cuda():
-    """The intra-warpgroup pipelined schedule (compiled only) lowers for sm_90."""
-    s = jax.ShapeDtypeStruct
-    args = (s((8192, 32, 128), jnp.bfloat16), s((8192, 8, 128), jnp.bfloat16), s((8192, 8, 128), jnp.bfloat16),
-            s((17,), jnp.int32))
-    f = functools.partial(prefill_mosaic.varlen_attention_mosaic, max_seqlen=4096, causal=True, scale=0.1,
-                          return_lse=True, interpret=False, schedule="pipelined")
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
