@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
 
 SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks
+SHORT_TILE_ROWS = 32  # rows (tokens x padded group) of the short queries' tiles in a two-launch batch
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -230,7 +231,7 @@ def _merge_partials(i, kv_head, cu_query_lens_ref, block_req_ref, block_first_re
 # -------------------------------------------------------------------------------------------- pallas_call
 def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len, scale, num_splits,
                  split_size, interpret, cfg: config_lib.DecodeConfig, chunk_cfg: config_lib.DecodeConfig,
-                 short_splits: tuple[int, int | None] | None = None):
+                 short_splits: tuple[int, int | None] | None = None, short_rows: int = SHORT_TILE_ROWS):
     """One launch when every query is short (decode / verification) or ``config.block_q`` is fixed; otherwise two
     launches into one output — short queries in small tiles under ``cfg``, prefill chunks in prefill-sized tiles
     under ``chunk_cfg`` — so decode rows do not pay for 128-row tiles and chunks do not run at decode intensity.
@@ -250,7 +251,7 @@ def _ragged_call(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, 
         block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
         passes = [(block_q, pl.cdiv(num_tokens, block_q) + num_seqs, None, cfg, (num_splits, split_size), False)]
     else:
-        short_q = query_block_tokens(SHORT_QUERY_LEN, group_padded, None)
+        short_q = query_block_tokens(SHORT_QUERY_LEN, group_padded, None, target_rows=short_rows)
         long_q = chunk_block_tokens(max_query_len, group_padded, chunk_cfg, head_dim, q.dtype.itemsize)
         compact = short_splits is not None and short_splits[0] > 1
         if compact and num_splits != 1:

@@ -102,18 +102,18 @@ if "M1" in which:  # DESIGN.md §4 M1: 4 chunks of 512 over 4096 + 56 decodes 1k
     nbytes = sum(sl) * Hkv * D * 4 + 2 * q.size * 2
     flops = sum(4 * D * Hq * sum(c - n + i + 1 for i in range(n)) for c, n in zip(sl, ql))
     print(f"M1: {T} tokens, {nbytes / 1e9:.3f} GB of K/V, {flops / 1e9:.1f} GFLOP", flush=True)
-    CHUNK = [None, DecodeConfig(block_n=128, num_warps=8, num_stages=2), DecodeConfig(block_n=64, num_warps=4, num_stages=3),
-             DecodeConfig(block_n=128, block_q=16, num_warps=4, num_stages=2)]  # the last: the old 64-row pass
+    CHUNK = [None]
     for cc in CHUNK:
         f = jax.jit(lambda q, kc, vc, bt, s, cu: paged_attention(q, kc, vc, bt, s, cu, max_query_len=512, chunk_config=cc))
         ms = timeit(f, q, kc, vc, bt, s, cu); rec("M1", "pallas_attn", cc, ms, nbytes / ms / 1e6, "GB/s")
     from pallas_attn import paged, config as config_lib  # the short launch's own split, forced (chunks unsplit)
     cfg0, ccfg = config_lib.default_decode_config(D, 16, 2), config_lib.default_chunk_config(D, 16, 2)
-    for ss in [(1, None), (2, 4096), (4, 2048), (8, 1024)]:
+    for ss, sr in itertools.product([(2, 4096), (4, 2048)], [32, 16]):  # short_rows 16: decodes in 16-row tiles
         f = jax.jit(lambda q, kc, vc, bt, s, cu: paged._ragged_call(
             q, kc, vc, bt, s, cu, max_query_len=512, scale=D ** -0.5, num_splits=1, split_size=None, interpret=False,
-            cfg=cfg0, chunk_cfg=ccfg, short_splits=ss)[0])
-        ms = timeit(f, q, kc, vc, bt, s, cu); rec("M1", f"pallas_attn short_splits={ss}", "", ms, nbytes / ms / 1e6, "GB/s")
+            cfg=cfg0, chunk_cfg=ccfg, short_splits=ss, short_rows=sr)[0])
+        ms = timeit(f, q, kc, vc, bt, s, cu)
+        rec("M1", f"pallas_attn short_splits={ss} short_rows={sr}", "", ms, nbytes / ms / 1e6, "GB/s")
     start = 0  # each group alone (the parts), with the default chunk config
     for name, (lens, n) in groups.items():
         idx = np.arange(start, start + len(lens)); start += len(lens)
