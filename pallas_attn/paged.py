@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
 
 SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks
-SHORT_TILE_ROWS = 32  # rows (tokens x padded group) of the short queries' tiles in a two-launch batch
+SHORT_TILE_ROWS = 16  # rows (tokens x padded group) of the short queries' tiles in a two-launch batch
 
 
 # ---------------------------------------------------------------------------------------------------- config
