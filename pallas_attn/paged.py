@@ -15,8 +15,10 @@ block is ``block_q`` tokens of one request × the whole GQA group (padded to a p
 dimension of every dot, so verification reads each K/V tile once for all its draft tokens and heads. Blocks past
 the batch's last one write zeros into the padding rows and exit. A batch whose queries are all short (decode,
 verification: ``max_query_len <= 16``) is one launch; with prefill chunks in it, short queries run in one launch
-with small tiles and the chunks in a second with prefill-sized ones (``chunk_config``), writing into the same
-(aliased) output, so decode rows do not pay for prefill-sized tiles.
+with 16-row tiles and the chunks in a second with prefill-sized ones (``chunk_config``), writing into the same
+(aliased) output, so decode rows do not pay for prefill-sized tiles. In those 16-row tiles a verification's 6
+tokens × 4 heads are two query blocks that read the same K/V (the second read mostly from L2): cheaper on M1 than
+the 32-row tiles that fit it whole, which halve the resident decode programs (212 registers against 128).
 
 Split-KV works for every query length (vLLM's unified kernel turns it off as soon as one query is longer than 1):
 long contexts are cut into segments whatever the query length, and merged by
@@ -37,7 +39,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
 
 SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks
-SHORT_TILE_ROWS = 16  # rows (tokens x padded group) of the short queries' tiles in a two-launch batch
+SHORT_TILE_ROWS = 16  # rows (tokens x padded group) of the short queries' tiles in a two-launch batch (M1: 0.922
+#                       ms against 0.949 with 32-row tiles, benchmarks/results/…-session4-m1-short-rows.json)
 
 
 # ---------------------------------------------------------------------------------------------------- config

@@ -1,37 +1,47 @@
 """Packed varlen prefill on the Mosaic GPU backend (Hopper: wgmma, TMA, warp specialisation).
 
-``varlen_attention(..., backend="mosaic")`` runs this kernel: the same contract as the Triton-backend one and the
-seed's structure, written for the backend that reaches Hopper's own instructions from Pallas:
+``varlen_attention`` runs this kernel by default on sm_90 where it applies and was measured faster (head_dim 128,
+``max_seqlen >= 1024``; :func:`pallas_attn.prefill.default_backend`), or when asked (``backend="mosaic"``): the
+same contract as the Triton-backend one and the seed's structure, written for the backend that reaches Hopper's
+own instructions from Pallas:
 
-* grid ``(q_tiles, Hq / 2, batch)``; program ``(m, p, b)`` owns 64 query tokens of request ``b`` (tiles visited
-  longest-first) and the query heads ``2p, 2p + 1`` — two heads of one KV group, so each K/V tile that lands in
-  shared memory serves both (GQA sharing; the group size must be even).
+* grid ``(Hq / 2, work)``: work item ``w`` is one 64-row query tile ``m`` of request ``b`` (a list built from
+  ``cu_seqlens`` in the wrapper, heaviest tiles first, so the short ones fill the tail), program ``(p, w)`` takes
+  its query heads ``2p, 2p + 1`` — two heads of one KV group, so each K/V tile that lands in shared memory serves
+  both (GQA sharing; the group size must be even). The head pairs of one tile launch together and share its K/V
+  in L2. The list has a static length (``cdiv(T, 64) + 2 · num_seqs``); unused items exit at once.
 * three warpgroups: two compute warpgroups (one query head each: ``S = Q Kᵀ`` and ``O += P V`` with wgmma, the
   online softmax in registers, exp2 with the scale folded) and one memory warpgroup that streams K/V tiles through
-  a ring of shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers.
-* ``cu_seqlens`` is read inside the kernel; a tile past its request exits at once. Full tiles (■, every key before
-  the tile's first query) run with no mask code, diagonal tiles (△) are masked from request-local positions,
-  future tiles (·) are never loaded. Non-causal: only the last tile masks keys past the request.
-* Tile-aligned staging: Mosaic GPU's TMA into tiled (8 × 64, 128-byte swizzled) shared memory needs row offsets it
-  can prove are tile multiples, which packed request starts are not. The wrapper gathers q/k/v into a layout where
-  request ``b`` starts at row ``64 · cu_tiles[b]`` with zero rows up to the next tile boundary, and gathers the
-  output back. So whole-tile loads past a request's end read zeros or the next request's rows (masked), never a
-  padding NaN, and whole-tile stores land in the request's own padding. The price is one gather pass over q/k/v/out
-  (P1: about 0.4 ms of 2.52, estimated from the output gather's measured 0.18).
-* LSE (natural log) goes to a per-tile buffer ``[batch, Hq, q_tiles · 64]`` (a 64-wide TMA store each) and is
+  a ring of shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers. The compute warpgroups take
+  turns on the tensor cores (FA3's ping-pong: one's softmax runs under the other's matmuls).
+* ``cu_seqlens`` is read inside the kernel. Full tiles (■, every key before the tile's first query) run with no
+  mask code, diagonal tiles (△) are masked from request-local positions, future tiles (·) are never loaded.
+  Non-causal: only the last tile masks keys past the request.
+* Q and O stay in the packed layout. TMA into tiled (8 × 64, 128-byte swizzled) shared memory needs row offsets
+  it can prove are multiples of 8, so request ``b``'s tiles start at ``cu_seqlens[b]`` rounded down to 8: the
+  first tile may hold up to 7 rows of the previous request (their scores are masked, their outputs never stored),
+  and every store is row-exact (a whole tile in one TMA, a partial one in at most six of 32, 16, …, 1 rows from
+  the untiled O buffer). A query row of another request, even NaN, only makes its own score row garbage. When
+  ``T`` is not a multiple of 8 (the tiled TMA descriptor needs whole 8-row groups), Q lands in the untiled O
+  buffer and is re-laid out through registers instead. Padding rows (past ``cu_seqlens[-1]``) are zeroed by
+  extra work items, 512 rows each.
+* K/V are staged: a whole-window ``P @ V`` past a request's end must meet zeros, not a neighbour's NaN
+  (``0 · NaN = NaN``). The wrapper gathers them so request ``b``'s keys start at row ``128 · kv_tiles[b]`` with
+  zeros up to the next 128-key window (P1: one gather pass over K and V, ~0.3 GB of traffic).
+* LSE (natural log) goes to a per-tile buffer ``[batch, Hq, tiles · 64]`` (a 64-wide TMA store each) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
-Measured on the H200 (2026-11-30, ``scripts/probe_prefill_mosaic.py``, bf16, Hq 32, Hkv 8, D 128, same run): P1
-385.5 TFLOP/s against the Triton kernel's 399.2, P2 531.9 against 469.3 (+13%); outputs within 4e-5 (P1) and 2e-4
-(P2) relative L2 of the Triton kernel's. The default backend stays Triton until the selection rule is measured on
-more than these two workloads (see ``benchmarks/NOTES.md``).
+Measured on the H200 (2026-11-30, bf16, Hq 32, Hkv 8, D 128; ``benchmarks/results/…-session4*.json``): P1 495.6
+TFLOP/s (Triton kernel 404.0, cuDNN packed 526.1, JAX's attention_mgpu 502.9 in six dense calls), P2 590.0
+(Triton 459.7, cuDNN 558.9, attention_mgpu 590.6). Triton stays faster for short requests (256 × 128 tokens:
+0.517 vs 0.615 ms) and head_dim 64 (P1: 363.8 vs 351.6 TFLOP/s).
 
 Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. Its limits
 (jax 0.11.2): wgmma's A operand must be in shared memory (P goes through a scratch buffer there), pl.run_state
-with a pre-initialised accumulator does not run (each P·V is a fresh accumulator), and a barrier completion that
-no thread waits for breaks the next grid point (the releases are guarded by "refill"). The tile bounds, the
-online-softmax step, the two tile loops and the finalisation are the shared ones of :mod:`pallas_attn.masks` and
-:mod:`pallas_attn.softmax`.
+with a pre-initialised accumulator does not run (each P·V is a fresh accumulator there; compiled, P·V accumulates
+into the scaled accumulator), and a barrier completion that no thread waits for breaks the next grid point (the
+releases are guarded: only steps the memory warpgroup refills). The tile bounds, the softmax update, the two
+tile loops and the finalisation are the shared ones of :mod:`pallas_attn.masks` and :mod:`pallas_attn.softmax`.
 """
 
 from __future__ import annotations
