@@ -6,6 +6,7 @@ run (and checked against it), JSON to $OUT/mosaic_probe.json. GPU only.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -18,7 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_attn import varlen_attention  # noqa: E402
+from pallas_attn import prefill_mosaic, varlen_attention  # noqa: E402
 from pallas_attn.testing import relative_l2  # noqa: E402
 
 P1 = [8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256]
@@ -33,6 +34,9 @@ WORKLOADS = {"P1": (P1, 128, True), "P2": ([32768], 128, True),
              "short-64x512": ([512] * 64, 128, True),
              "P1-d64": (P1, 64, True),
              "noncausal-4x8192": ([8192] * 4, 128, False)}
+
+
+VARIANTS = [v for v in os.environ.get("VARIANTS", "").split(",") if v]  # Mosaic tuning variants on P1/P2
 
 
 def timeit(f, *args, reps=7, inner=10):
@@ -72,6 +76,18 @@ def main() -> int:
             rows.append(dict(workload=name, impl="mosaic", error=f"{type(e).__name__}: {str(e)[:500]}"))
             continue
         impls = [("triton", triton), ("mosaic", mosaic)]
+        for variant in (VARIANTS if name in ("P1", "P2") else []):  # block_kv:slots[:compute_regs:memory_regs]
+            bkv, mcs, *regs = (int(x) for x in variant.split(":"))
+            f = jax.jit(functools.partial(
+                lambda q, k, v, cu, **kw: prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, **kw)[0],
+                max_seqlen=max(lens), causal=causal, scale=d ** -0.5, return_lse=False, interpret=False,
+                block_kv=bkv, max_concurrent_steps=mcs, registers=tuple(regs) if regs else (232, 40)))
+            try:
+                e = float(relative_l2(f(q, k, v, cu), ref))
+                print(f"{name} mosaic/{variant} rel L2 vs triton {e:.2e}", flush=True)
+                impls.append((f"mosaic/{variant}", f))
+            except Exception as ex:
+                print(f"{name} mosaic/{variant} FAILED: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
         for impl, f in impls:
             s = timeit(f, q, k, v, cu)
             rows.append(dict(workload=name, impl=impl, head_dim=d, causal=causal, num_seqs=len(lens), tokens=t,
