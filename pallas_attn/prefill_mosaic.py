@@ -92,7 +92,7 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
         cur = cur + jnp.where(take, size, 0)
 
 
-def _kernel(cu_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, v_edge_ref, o_ref, lse_ref, scoped, *,
+def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *,
             group: int, num_tile_slots: int, block_kv: int, mcs: int, causal: bool, scale2: float,
             accumulate: bool, q_tiled_tma: bool, registers: tuple[int, int]):
     (q_smem, o_smem, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free), schedule = scoped
@@ -118,13 +118,8 @@ def _kernel(cu_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, v_edge_ref
     q0 = row0 - start  # request-local position of the tile's row 0 (negative: the previous request's rows)
     lo = jnp.maximum(-q0, 0)
     hi = jnp.minimum(seq_len - q0, BLOCK_Q)
-    # K/V windows start at the same row0 - 64 m: window j holds the keys at request-local positions
-    # 128 j + c - shift. In these shifted coordinates (position + shift) the causal relation is row0's own.
-    shift = start - base
-    full_steps, kv_steps = masks.kv_tile_ranges(m * BLOCK_Q + lo, m * BLOCK_Q + hi - 1, seq_len + shift, block_kv,
-                                                causal=causal)
-    head_steps = jnp.minimum(jnp.where(shift > 0, 1, 0), kv_steps)  # window 0 holds the previous request's rows
-    last_window = (seq_len + shift - 1) // block_kv  # the only other window with rows of another request
+    full_steps, kv_steps = masks.kv_tile_ranges(q0 + lo, q0 + hi - 1, seq_len, block_kv, causal=causal)
+    kv_row0 = kv_tiles_ref[b] * block_kv  # K/V are staged: request b from this multiple of the window, zeros after
 
     def schedule_turn():  # FA3's ping-pong: the two compute warpgroups take turns on the tensor cores
         plgpu.barrier_arrive(schedule)
@@ -199,19 +194,17 @@ def _kernel(cu_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, v_edge_ref
             release(v_free, j)
             return acc, m_i, l_i
 
-        def mask(j, s2):  # shifted positions (request-local + shift), in the wgmma register layout
-            rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA) + m * BLOCK_Q
+        def mask(j, s2):  # request-local positions, in the wgmma register layout
+            rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA) + q0
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA) + j * block_kv
-            visible = (cols <= rows) if causal else (cols < seq_len + shift)
-            return jnp.where(visible & (cols >= shift), s2, -jnp.inf)
+            return jnp.where((cols <= rows) if causal else (cols < seq_len), s2, -jnp.inf)
 
         def release(free, j):  # only steps the memory warpgroup refills (it waits for exactly those)
             pl.when(j + mcs < kv_steps)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j, jnp.int32(mcs))]))
 
         wait_k(jnp.int32(0))
         pl.when(wg == 1)(schedule_turn)  # warpgroup 1 starts half a step behind warpgroup 0
-        state = softmax.kv_loop((acc, m_i, l_i), 0, 0, head_steps, step)  # masked: the previous request's keys
-        state = softmax.kv_loop(state, head_steps, jnp.maximum(full_steps, head_steps), kv_steps, step)
+        state = softmax.kv_loop((acc, m_i, l_i), 0, full_steps, kv_steps, step)
         pl.when(wg == 0)(schedule_turn)
         out, lse = softmax.finalize(state)
         o_smem.at[wg][...] = out.astype(dtype)
@@ -228,15 +221,9 @@ def _kernel(cu_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, v_edge_ref
         plgpu.set_max_registers(registers[1], action="decrease")
 
         def load(step, slot):
-            rows = (pl.ds(base + step * block_kv, block_kv), kv_head)
+            rows = (pl.ds(kv_row0 + step * block_kv, block_kv), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-            # The first and last windows hold other requests' rows: V comes from their zeroed copies (a NaN there
-            # would survive P = 0); K needs none (those scores are masked to -inf by a select).
-            edge = jnp.where(step == 0, 0, 1)
-            on_edge = (step == 0) | (step == last_window)
-            edge_rows = (pl.ds((b * 2 + edge) * block_kv, block_kv), kv_head)
-            pl.when(on_edge)(lambda: plgpu.copy_gmem_to_smem(v_edge_ref.at[edge_rows], v_smem.at[slot], v_bar.at[slot]))
-            pl.when(~on_edge)(lambda: plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot]))
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
         for i in range(mcs):
             pl.when(i < kv_steps)(functools.partial(load, i, i))
@@ -300,21 +287,22 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     num_pad_slots = pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT)
     work_req, work_tile = _work_list(cu_seqlens, num_tile_slots, causal)
 
-    # K/V stay packed (padded to whole 8-row groups for the tiled TMA descriptor when T is not: one copy). A
-    # request's windows start at cu_seqlens[b] rounded down to 8, like its query tiles. Its first and last windows
-    # hold rows of other requests (or padding); P is 0 there, but 0 · NaN = NaN, so V of those two windows comes
-    # from v_edge [num_seqs · 2 · block_kv, Hkv, D]: the same rows with every row outside the request zeroed.
-    if num_tokens % ROW_ALIGN:
-        pad = ((0, ROW_ALIGN - num_tokens % ROW_ALIGN), (0, 0), (0, 0))
-        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
-    bases = starts // ROW_ALIGN * ROW_ALIGN
-    last = jnp.maximum(ends - bases - 1, 0) // block_kv  # index of each request's last window
-    first_row = bases[:, None] + jnp.stack([jnp.zeros_like(last), last], axis=1) * block_kv  # [num_seqs, 2]
-    rows = first_row[:, :, None] + jnp.arange(block_kv, dtype=jnp.int32)  # [num_seqs, 2, block_kv]
-    inside = (rows >= starts[:, None, None]) & (rows < ends[:, None, None])
-    rows = jnp.where(inside, rows, 0).reshape(-1)
-    v_edge = jnp.where(inside.reshape(-1)[:, None, None], v[rows], jnp.zeros((), v.dtype))
+    # K/V staging: a whole-window P @ V past a request's end must meet zeros, not a neighbour's (or padding's) NaN
+    # (0 · NaN = NaN), and TMA into tiled shared memory needs tile-aligned rows. Request b's keys move to row
+    # block_kv * kv_tiles[b], zeros after it up to the next window. Q and O stay in the packed layout (4x the bytes
+    # at GQA 4): a Q row of another request only makes its own score row garbage, and stores are row-exact.
+    q_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    kv_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + block_kv - 1) // block_kv)])
+    staged_rows = pl.cdiv(num_tokens + block_kv * num_seqs, block_kv) * block_kv
+    row = jnp.arange(staged_rows, dtype=jnp.int32)
+    row_req = metadata.token_requests(block_kv * kv_tiles, staged_rows)  # the request whose windows hold the row
+    row_req_safe = jnp.maximum(row_req, 0)
+    src = cu_seqlens[row_req_safe] + row - block_kv * kv_tiles[row_req_safe]
+    live_row = (row_req >= 0) & (src < cu_seqlens[row_req_safe + 1])
+    src = jnp.where(live_row, src, 0)
+    # A gather (each staged row finds its token): XLA's scatter of 8 KB rows ran at ~250 GB/s.
+    stage = lambda x: jnp.where(live_row[:, None, None], x[src], jnp.zeros((), x.dtype))  # noqa: E731
+    k, v = stage(k), stage(v)
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     scratch = (
@@ -334,8 +322,8 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E, accumulate=not interpret,
         q_tiled_tma=num_tokens % ROW_ALIGN == 0, registers=registers)
 
-    def entry(cu_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, v_edge_ref, o_ref, lse_ref):
-        pl.run_scoped(lambda *s: body(cu_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, v_edge_ref, o_ref,
+    def entry(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        pl.run_scoped(lambda *s: body(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref,
                                       lse_ref, s), *scratch, collective_axes="wg")
 
     out_type = [jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q.dtype),
@@ -350,7 +338,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         entry, out_type=out_type, grid=(num_q_heads // COMPUTE_WGS, num_tile_slots + num_pad_slots),
         grid_names=("heads", "work"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params,
-    )(cu_seqlens, work_req, work_tile, q, k, v, v_edge)
+    )(cu_seqlens, kv_tiles, work_req, work_tile, q, k, v)
     if not return_lse:
         return out, None
     token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
