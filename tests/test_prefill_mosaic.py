@@ -124,3 +124,20 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
+
+
+@pytest.mark.parametrize("hopper, interpret, dtype, head_dim, max_seqlen, expected", [
+    (True, False, jnp.bfloat16, 128, 1024, "mosaic"),
+    (True, False, jnp.float16, 128, 32768, "mosaic"),
+    (True, False, jnp.bfloat16, 128, 512, "triton"),  # short requests: Triton measured faster
+    (True, False, jnp.bfloat16, 64, 8192, "triton"),  # head_dim 64: Triton measured faster
+    (True, False, jnp.float32, 128, 8192, "triton"),  # the Mosaic kernel is bf16/fp16 only
+    (True, True, jnp.bfloat16, 128, 8192, "triton"),  # interpret mode
+    (False, False, jnp.bfloat16, 128, 8192, "triton"),  # not sm_90
+])
+def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, max_seqlen, expected):
+    """``backend=None`` picks the kernel measured faster on the H200 for the shape (benchmarks/NOTES.md)."""
+    from pallas_attn import backend, prefill
+    monkeypatch.setattr(backend, "is_hopper", lambda: hopper)
+    q, k = jnp.zeros((8, 4, head_dim), dtype), jnp.zeros((8, 2, head_dim), dtype)
+    assert prefill.default_backend(q, k, max_seqlen, interpret) == expected
