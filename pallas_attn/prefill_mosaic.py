@@ -141,6 +141,14 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
         l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
+        def mask(j, s2):  # request-local positions, in the wgmma register layout
+            rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA) + q0
+            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA) + j * block_kv
+            return jnp.where((cols <= rows) if causal else (cols < seq_len), s2, -jnp.inf)
+
+        def release(free, j):  # only steps the memory warpgroup refills (it waits for exactly those)
+            pl.when(j + mcs < kv_steps)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j, jnp.int32(mcs))]))
+
         def wait_k(j):
             pl.when(j < kv_steps)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(j, jnp.int32(mcs))]))
 
@@ -193,14 +201,6 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
             acc = pv_dot(j, p16, acc)
             release(v_free, j)
             return acc, m_i, l_i
-
-        def mask(j, s2):  # request-local positions, in the wgmma register layout
-            rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA) + q0
-            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA) + j * block_kv
-            return jnp.where((cols <= rows) if causal else (cols < seq_len), s2, -jnp.inf)
-
-        def release(free, j):  # only steps the memory warpgroup refills (it waits for exactly those)
-            pl.when(j + mcs < kv_steps)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j, jnp.int32(mcs))]))
 
         wait_k(jnp.int32(0))
         pl.when(wg == 1)(schedule_turn)  # warpgroup 1 starts half a step behind warpgroup 0
