@@ -28,8 +28,8 @@ own instructions from Pallas:
 * K/V are staged: a whole-window ``P @ V`` past a request's end must meet zeros, not a neighbour's NaN
   (``0 · NaN = NaN``). The wrapper gathers them so request ``b``'s keys start at row ``128 · kv_tiles[b]`` with
   zeros up to the next 128-key window (P1: one gather pass over K and V, ~0.3 GB of traffic).
-* LSE (natural log) goes to a per-tile buffer ``[batch, Hq, tiles · 64]`` (a 64-wide TMA store each) and is
-  gathered to ``[T, Hq]`` outside the kernel, only when asked.
+* LSE (natural log) goes to a buffer ``[work items, Hq, 64]`` (a 64-wide TMA store per tile and head; ∝ T) and
+  is gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
 Measured on the H200 (2026-11-30, bf16, Hq 32, Hkv 8, D 128; ``benchmarks/results/…-session4*.json``): P1 495.6
 TFLOP/s (Triton kernel 404.0, cuDNN packed 526.1, JAX's attention_mgpu 502.9 in six dense calls), P2 590.0
@@ -213,7 +213,7 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
         plgpu.commit_smem()
         _store_rows(o_smem.at[wg], o_ref, row0, lo, hi, q_head)
         if lse_ref is not None:
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, q_head, pl.ds(m * BLOCK_Q, BLOCK_Q)])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[w, q_head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(live & (wg == COMPUTE_WGS))
@@ -252,7 +252,9 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
 
 # -------------------------------------------------------------------------------------------- pallas_call
 def _work_list(cu_seqlens, num_slots: int, causal: bool):
-    """Query tiles, heaviest first: ``(request i32[num_slots], tile i32[num_slots])``, request -1 for unused slots.
+    """Query tiles, heaviest first: ``(request i32[num_slots], tile i32[num_slots], slot i32[num_slots],
+    cu_tiles i32[num_seqs + 1])``; request -1 for unused slots. Tile ``m`` of request ``b`` is work item
+    ``slot[cu_tiles[b] + m]``.
 
     Request ``b`` has ``cdiv(len_b + cu_seqlens[b] % 8, 64)`` tiles (its rows from ``cu_seqlens[b]`` rounded down to
     8). Sorting by the keys each tile visits (longest first) gives the tail of the grid the short tiles, wherever
@@ -266,7 +268,8 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool):
     tile = jnp.arange(num_slots, dtype=jnp.int32) - cu_tiles[safe]
     keys = jnp.minimum((tile + 1) * BLOCK_Q - shift[safe], q_lens[safe]) if causal else q_lens[safe]
     order = jnp.argsort(jnp.where(req >= 0, -keys, 1), stable=True)
-    return req[order], tile[order]
+    slot = jnp.zeros((num_slots,), jnp.int32).at[order].set(jnp.arange(num_slots, dtype=jnp.int32))
+    return req[order], tile[order], slot, cu_tiles
 
 
 def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
@@ -285,7 +288,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     tiles_per_seq = pl.cdiv(max(max_seqlen, 1) + ROW_ALIGN - 1, BLOCK_Q)
     num_tile_slots = min(pl.cdiv(num_tokens, BLOCK_Q) + 2 * num_seqs, num_seqs * tiles_per_seq)
     num_pad_slots = pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT)
-    work_req, work_tile = _work_list(cu_seqlens, num_tile_slots, causal)
+    work_req, work_tile, work_slot, cu_q_tiles = _work_list(cu_seqlens, num_tile_slots, causal)
 
     # K/V staging: a whole-window P @ V past a request's end must meet zeros, not a neighbour's (or padding's) NaN
     # (0 · NaN = NaN), and TMA into tiled shared memory needs tile-aligned rows. Request b's keys move to row
@@ -327,7 +330,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
                                       lse_ref, s), *scratch, collective_axes="wg")
 
     out_type = [jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q.dtype),
-                jax.ShapeDtypeStruct((num_seqs, num_q_heads, tiles_per_seq * BLOCK_Q), jnp.float32)
+                jax.ShapeDtypeStruct((num_tile_slots, num_q_heads, BLOCK_Q), jnp.float32)  # per work item: ∝ T
                 if return_lse else None]
     interpret_params = None
     if interpret:
@@ -343,7 +346,8 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         return out, None
     token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
     valid, req = token_req >= 0, jnp.maximum(token_req, 0)
-    # the LSE tiles are in the kernel's row coordinates: request-local position + cu_seqlens[b] % 8
+    # LSE rows are in the kernel's tile coordinates: tile row = request-local position + cu_seqlens[b] % 8
     local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[req] + cu_seqlens[req] % ROW_ALIGN
-    lse = lse_tiles[req, :, jnp.clip(local, 0, tiles_per_seq * BLOCK_Q - 1)]  # [T, Hq]
+    item = work_slot[jnp.minimum(cu_q_tiles[req] + local // BLOCK_Q, num_tile_slots - 1)]
+    lse = lse_tiles[item, :, local % BLOCK_Q]  # [T, Hq]
     return out, jnp.where(valid[:, None], lse, -jnp.inf)
