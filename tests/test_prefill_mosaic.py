@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_attn import PrefillConfig, reference, varlen_attention
 from pallas_attn.testing import assert_attention_close, random_packed
@@ -112,7 +114,8 @@ def test_config_is_triton_only():
                          config=PrefillConfig())
 
 
-@pytest.mark.parametrize("head_dim, causal, return_lse, num_tokens", [(128, True, True, 8192), (64, False, False, 8195)])
+@pytest.mark.parametrize("head_dim, causal, return_lse, num_tokens",
+                         [(128, True, True, 8192), (64, False, False, 8195)])  # 8195: not whole 8-row groups
 def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens):
     """The compiled path's lowering (wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked without a GPU at a
     P1-sized shape: what the interpreter does not exercise (tiling/alignment proofs, layouts) fails here."""
@@ -141,3 +144,25 @@ def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, m
     monkeypatch.setattr(backend, "is_hopper", lambda: hopper)
     q, k = jnp.zeros((8, 4, head_dim), dtype), jnp.zeros((8, 2, head_dim), dtype)
     assert prefill.default_backend(q, k, max_seqlen, interpret) == expected
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=12), extra=st.integers(0, 40),
+       causal=st.booleans())
+def test_work_list_covers_every_tile_once(lens, extra, causal):
+    """The static work list holds every (request, tile) exactly once, heaviest first, unused slots last (-1), and
+    ``slot`` inverts the order (the LSE gather relies on it)."""
+    from pallas_attn.prefill_mosaic import BLOCK_Q, ROW_ALIGN, _work_list
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + extra
+    num_slots = min(-(-num_tokens // BLOCK_Q) + 2 * len(lens), len(lens) * -(-(max(max(lens), 1) + 7) // BLOCK_Q))
+    req, tile, slot, cu_tiles = (np.asarray(x) for x in _work_list(jnp.asarray(cu), num_slots, causal))
+    shifts = cu[:-1] % ROW_ALIGN
+    expected = {(b, m) for b, n in enumerate(lens) if n for m in range(-(-(n + shifts[b]) // BLOCK_Q))}
+    used = req >= 0
+    assert sorted(zip(req[used].tolist(), tile[used].tolist())) == sorted(expected)
+    assert not used[used.sum():].any()  # unused slots at the end
+    keys = [min((m + 1) * BLOCK_Q - shifts[b], lens[b]) if causal else lens[b] for b, m in zip(req[used], tile[used])]
+    assert keys == sorted(keys, reverse=True)
+    for b, m in expected:
+        assert (req[slot[cu_tiles[b] + m]], tile[slot[cu_tiles[b] + m]]) == (b, m)
