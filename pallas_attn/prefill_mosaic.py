@@ -251,7 +251,7 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def _work_list(cu_seqlens, num_slots: int, causal: bool):
+def _work_list(cu_seqlens, num_slots: int, causal: bool, tiles_per_seq: int):
     """Query tiles, heaviest first: ``(request i32[num_slots], tile i32[num_slots], slot i32[num_slots],
     cu_tiles i32[num_seqs + 1])``; request -1 for unused slots. Tile ``m`` of request ``b`` is work item
     ``slot[cu_tiles[b] + m]``.
@@ -261,7 +261,9 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool):
     their request sits in the batch."""
     starts, q_lens = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
     shift = starts % ROW_ALIGN
-    n_tiles = jnp.where(q_lens > 0, (q_lens + shift + BLOCK_Q - 1) // BLOCK_Q, 0)
+    # at most tiles_per_seq each: a request longer than max_seqlen (a broken contract) is truncated, and cannot push
+    # other requests' tiles out of the static list
+    n_tiles = jnp.where(q_lens > 0, jnp.minimum((q_lens + shift + BLOCK_Q - 1) // BLOCK_Q, tiles_per_seq), 0)
     cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_tiles).astype(jnp.int32)])
     req = metadata.token_requests(cu_tiles, num_slots)
     safe = jnp.maximum(req, 0)
@@ -288,7 +290,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     tiles_per_seq = pl.cdiv(max(max_seqlen, 1) + ROW_ALIGN - 1, BLOCK_Q)
     num_tile_slots = min(pl.cdiv(num_tokens, BLOCK_Q) + 2 * num_seqs, num_seqs * tiles_per_seq)
     num_pad_slots = pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT)
-    work_req, work_tile, work_slot, cu_q_tiles = _work_list(cu_seqlens, num_tile_slots, causal)
+    work_req, work_tile, work_slot, cu_q_tiles = _work_list(cu_seqlens, num_tile_slots, causal, tiles_per_seq)
 
     # K/V staging: a whole-window P @ V past a request's end must meet zeros, not a neighbour's (or padding's) NaN
     # (0 · NaN = NaN), and TMA into tiled shared memory needs tile-aligned rows. Request b's keys move to row

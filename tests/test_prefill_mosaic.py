@@ -155,8 +155,9 @@ def test_work_list_covers_every_tile_once(lens, extra, causal):
     from pallas_attn.prefill_mosaic import BLOCK_Q, ROW_ALIGN, _work_list
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = int(cu[-1]) + extra
-    num_slots = min(-(-num_tokens // BLOCK_Q) + 2 * len(lens), len(lens) * -(-(max(max(lens), 1) + 7) // BLOCK_Q))
-    req, tile, slot, cu_tiles = (np.asarray(x) for x in _work_list(jnp.asarray(cu), num_slots, causal))
+    tiles_per_seq = -(-(max(max(lens), 1) + 7) // BLOCK_Q)
+    num_slots = min(-(-num_tokens // BLOCK_Q) + 2 * len(lens), len(lens) * tiles_per_seq)
+    req, tile, slot, cu_tiles = (np.asarray(x) for x in _work_list(jnp.asarray(cu), num_slots, causal, tiles_per_seq))
     shifts = cu[:-1] % ROW_ALIGN
     expected = {(b, m) for b, n in enumerate(lens) if n for m in range(-(-(n + shifts[b]) // BLOCK_Q))}
     used = req >= 0
@@ -166,3 +167,15 @@ def test_work_list_covers_every_tile_once(lens, extra, causal):
     assert keys == sorted(keys, reverse=True)
     for b, m in expected:
         assert (req[slot[cu_tiles[b] + m]], tile[slot[cu_tiles[b] + m]]) == (b, m)
+
+
+@pytest.mark.timeout(300)
+def test_request_past_max_seqlen_leaves_the_others_intact(rng):
+    """A request longer than ``max_seqlen`` breaks the contract (its own rows are truncated); the other requests'
+    outputs stay right: its tiles cannot crowd theirs out of the static work list."""
+    lens = [300, 20, 20, 20]
+    q, k, v, cu = _inputs(rng, lens, 2, 1, 64, jnp.bfloat16, pad=5)
+    out = varlen_attention(q, k, v, cu, max_seqlen=32, backend="mosaic")  # 4 work slots for 8 tiles
+    ref = reference.varlen_attention(q, k, v, cu)
+    rows = slice(300, 360)
+    assert_attention_close(out[rows], ref[rows], dtype=jnp.bfloat16)
