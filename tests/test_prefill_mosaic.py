@@ -36,7 +36,7 @@ def _inputs(rng, lens, hq, hkv, d, dtype, pad=3):
     return q, k, v, cu
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_matches_reference(name, rng):
     lens, hq, hkv, d, causal, dtype = SCENARIOS[name]
@@ -51,7 +51,7 @@ def test_matches_reference(name, rng):
     assert np.all(np.asarray(out, np.float32)[n:] == 0) and np.all(np.asarray(lse)[n:] == -np.inf)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
 def test_isolation_under_huge_values(rng):
     """One request's K/V set to 1e4 leaves the others' outputs bit-identical (tiles reach past request ends)."""
     lens = [70, 5, 64]
@@ -68,7 +68,7 @@ def test_isolation_under_huge_values(rng):
     np.testing.assert_array_equal(other[: sum(lens)][keep], base[: sum(lens)][keep])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
 @pytest.mark.parametrize("pad", [602, 600])  # T = 736 (K/V read in place), 734 (not whole 8-row groups: K/V padded)
 def test_isolation_under_nan(rng, pad):
     """NaN in another request's q/k/v rows (which the unaligned tiles and K/V windows load: request starts 3 and 73
@@ -169,7 +169,7 @@ def test_work_list_covers_every_tile_once(lens, extra, causal):
         assert (req[slot[cu_tiles[b] + m]], tile[slot[cu_tiles[b] + m]]) == (b, m)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
 def test_request_past_max_seqlen_leaves_the_others_intact(rng):
     """A request longer than ``max_seqlen`` breaks the contract (its own rows are truncated); the other requests'
     outputs stay right: its tiles cannot crowd theirs out of the static work list."""
