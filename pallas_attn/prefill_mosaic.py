@@ -12,8 +12,8 @@ own instructions from Pallas:
   in L2. The list has a static length (``cdiv(T, 64) + 2 · num_seqs``); unused items exit at once.
 * three warpgroups: two compute warpgroups (one query head each: ``S = Q Kᵀ`` and ``O += P V`` with wgmma, the
   online softmax in registers, exp2 with the scale folded) and one memory warpgroup that streams K/V tiles through
-  a ring of shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers. The compute warpgroups take
-  turns on the tensor cores (FA3's ping-pong: one's softmax runs under the other's matmuls).
+  a ring of shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers. Compiled, the compute
+  warpgroups take turns on the tensor cores (FA3's ping-pong: one's softmax runs under the other's matmuls).
 * ``cu_seqlens`` is read inside the kernel. Full tiles (■, every key before the tile's first query) run with no
   mask code, diagonal tiles (△) are masked from request-local positions, future tiles (·) are never loaded.
   Non-causal: only the last tile masks keys past the request.
