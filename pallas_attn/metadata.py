@@ -397,3 +397,15 @@ def token_requests(cu_query_lens, num_tokens: int):
     tok = jnp.arange(num_tokens, dtype=jnp.int32)
     req = jnp.searchsorted(cu_query_lens, tok, side="right", method="compare_all").astype(jnp.int32) - 1
     return jnp.where(tok < cu_query_lens[-1], jnp.clip(req, 0, cu_query_lens.shape[0] - 2), -1)
+
+
+def segment_items(counts, num_items: int):
+    """Lay ``counts[b]`` items of each request end to end and map a static ``num_items`` slots onto them.
+
+    Returns ``(owner i32[num_items], index i32[num_items], cu i32[num_seqs + 1])``: slot ``i`` is item
+    ``index[i]`` of request ``owner[i]`` (-1 and 0 past the last item), ``cu`` the cumulative counts. The kernels'
+    static work lists (query blocks, tiles, staged rows) are this map; traceable, one fusion."""
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+    owner = token_requests(cu, num_items)
+    index = jnp.arange(num_items, dtype=jnp.int32) - cu[jnp.maximum(owner, 0)]
+    return owner, jnp.where(owner >= 0, index, 0), cu

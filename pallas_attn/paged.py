@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
+from pallas_attn import backend, config as config_lib, masks, metadata, softmax, tiles, validation
 
 SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks
 SHORT_TILE_ROWS = 16  # rows (tokens x padded group) of the short queries' tiles in a two-launch batch (M1: 0.922
@@ -101,15 +101,10 @@ def _query_blocks(cu_query_lens, block_q: int, num_blocks: int, query_class: str
     if query_class is not None:
         short = q_lens <= SHORT_QUERY_LEN
         blocks = jnp.where(short if query_class == "short" else ~short, blocks, 0)
-    cu_blocks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks)])
-    idx = jnp.arange(num_blocks, dtype=jnp.int32)
-    # compare_all: one small fusion; the default binary search is a while loop (a launch per step on GPU).
-    req = jnp.searchsorted(cu_blocks, idx, side="right", method="compare_all").astype(jnp.int32) - 1
-    used = idx < cu_blocks[-1]
-    req_safe = jnp.clip(req, 0, q_lens.shape[0] - 1)
-    first = (idx - cu_blocks[req_safe]) * block_q
+    req, index, cu_blocks = metadata.segment_items(blocks, num_blocks)
     # Blocks past the last request zero padding rows: they carry -1 - (their index among padding blocks).
-    return jnp.where(used, req_safe, -1 - (idx - cu_blocks[-1])), jnp.where(used, first, 0)
+    pad_index = jnp.arange(num_blocks, dtype=jnp.int32) - cu_blocks[-1]
+    return jnp.where(req >= 0, req, -1 - pad_index), index * block_q
 
 
 # ---------------------------------------------------------------------------------------------- kernel body

@@ -274,10 +274,8 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool, tiles_per_seq: int):
     # at most tiles_per_seq each: a request longer than max_seqlen (a broken contract) is truncated, and cannot push
     # other requests' tiles out of the static list
     n_tiles = jnp.where(q_lens > 0, jnp.minimum((q_lens + shift + BLOCK_Q - 1) // BLOCK_Q, tiles_per_seq), 0)
-    cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_tiles).astype(jnp.int32)])
-    req = metadata.token_requests(cu_tiles, num_slots)
+    req, tile, cu_tiles = metadata.segment_items(n_tiles, num_slots)
     safe = jnp.maximum(req, 0)
-    tile = jnp.arange(num_slots, dtype=jnp.int32) - cu_tiles[safe]
     keys = jnp.minimum((tile + 1) * BLOCK_Q - shift[safe], q_lens[safe]) if causal else q_lens[safe]
     order = jnp.argsort(jnp.where(req >= 0, -keys, 1), stable=True)
     slot = jnp.zeros((num_slots,), jnp.int32).at[order].set(jnp.arange(num_slots, dtype=jnp.int32))
@@ -307,14 +305,11 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     # block_kv * kv_tiles[b], zeros after it up to the next window. Q and O stay in the packed layout (4x the bytes
     # at GQA 4): a Q row of another request only makes its own score row garbage, and stores are row-exact.
     q_lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    kv_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((q_lens + block_kv - 1) // block_kv)])
     staged_rows = pl.cdiv(num_tokens + block_kv * num_seqs, block_kv) * block_kv
-    row = jnp.arange(staged_rows, dtype=jnp.int32)
-    row_req = metadata.token_requests(block_kv * kv_tiles, staged_rows)  # the request whose windows hold the row
-    row_req_safe = jnp.maximum(row_req, 0)
-    src = cu_seqlens[row_req_safe] + row - block_kv * kv_tiles[row_req_safe]
-    live_row = (row_req >= 0) & (src < cu_seqlens[row_req_safe + 1])
-    src = jnp.where(live_row, src, 0)
+    row_req, local, cu_staged = metadata.segment_items(pl.cdiv(q_lens, block_kv) * block_kv, staged_rows)
+    kv_tiles = cu_staged // block_kv  # request b's first window
+    live_row = (row_req >= 0) & (local < q_lens[jnp.maximum(row_req, 0)])
+    src = jnp.where(live_row, cu_seqlens[jnp.maximum(row_req, 0)] + local, 0)
     # A gather (each staged row finds its token): XLA's scatter of 8 KB rows ran at ~250 GB/s.
     stage = lambda x: jnp.where(live_row[:, None, None], x[src], jnp.zeros((), x.dtype))  # noqa: E731
     k, v = stage(k), stage(v)

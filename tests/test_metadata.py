@@ -227,3 +227,12 @@ def test_validate_catches(name):
     with pytest.raises(ValueError) as info:
         dataclasses.replace(md, **change(md)).validate()
     assert words in str(info.value), str(info.value)
+
+
+def test_segment_items_maps_slots_to_request_items():
+    """Zero-count requests own no slot; slots past the last item are -1 (index 0)."""
+    from pallas_attn.metadata import segment_items
+    owner, index, cu = segment_items(jnp.asarray([2, 0, 3], jnp.int32), 7)
+    assert np.asarray(owner).tolist() == [0, 0, 2, 2, 2, -1, -1]
+    assert np.asarray(index).tolist() == [0, 1, 0, 1, 2, 0, 0]
+    assert np.asarray(cu).tolist() == [0, 2, 2, 5]
