@@ -12,6 +12,11 @@ token are the M dimension of both dots and share each gathered tile. The QKᵀ d
 (``[block_h, 512] x [512, block_n]``) and the rope part (``[block_h, 64] x [64, block_n]``) so no 576-wide
 (non-power-of-two) tile exists.
 
+On a compiled sm_90 GPU at DeepSeek's 576 / 512 dims the default is the Mosaic GPU kernel of
+:mod:`pallas_attn.sparse_mosaic` (warp-specialised: a memory warpgroup gathers the rows with ``cp.async``, two compute
+warpgroups each own half the value dims): S1 314 TFLOP/s against this kernel's 177 on the H200. This Triton kernel
+is the default elsewhere and in interpret mode (``backend=`` forces either).
+
 Reference: :func:`pallas_attn.reference.sparse_mla_attention`.
 """
 
@@ -24,7 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import backend, config as config_lib, metadata, softmax, tiles, validation
+from pallas_attn import backend as backend_lib, config as config_lib, metadata, softmax, sparse_mosaic, tiles
+from pallas_attn import validation
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
@@ -155,10 +161,32 @@ def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_ra
                                "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "return_lse", "interpret", "config"))
+BACKENDS = ("triton", "mosaic")
+
+
+def _padded_topk(topk: int) -> int:
+    return pl.cdiv(topk, sparse_mosaic.BLOCK_N) * sparse_mosaic.BLOCK_N
+
+
+# Measured on the H200 (2026-11-30, S1: 64 tokens x 128 heads, top-k 2048, 576/512 dims): the Mosaic kernel 314
+# TFLOP/s, the Triton kernel 177. Only DeepSeek's 576 / 512 dims were measured (and tested compiled).
+MOSAIC_DIMS = ((576, 512),)
+
+
+def default_backend(q, kv_lora_rank: int, topk: int, interpret: bool) -> str:
+    """``sparse_mla_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU where it applies and was
+    measured (576 / 512 dims), else "triton"."""
+    if interpret or not backend_lib.is_hopper() or (q.shape[-1], kv_lora_rank) not in MOSAIC_DIMS:
+        return "triton"
+    return "mosaic" if sparse_mosaic.supported(q, kv_lora_rank, _padded_topk(topk)) is None else "triton"
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "return_lse", "interpret", "config",
+                                             "backend"))
 def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, kv_lora_rank: int = 512,
                          softmax_scale: float | None = None, return_lse: bool = False,
-                         interpret: bool | None = None, config: config_lib.SparseConfig | None = None):
+                         interpret: bool | None = None, config: config_lib.SparseConfig | None = None,
+                         backend: str | None = None):
     """Each query token attends to its own top-k positions of its request's paged latent cache.
 
     Args:
@@ -173,6 +201,12 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
         kv_lora_rank]``.
       softmax_scale: default ``1/sqrt(q.shape[-1])`` (``1/sqrt(576)``).
       return_lse: also return ``f32[num_tokens, num_heads]``; a row whose indices are all -1 gives 0 and -inf.
+      interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.backend`).
+      config: tiles / warps / stages of the Triton kernel (:class:`pallas_attn.config.SparseConfig`).
+      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.sparse_mosaic` (warp-specialised,
+        cp.async gather, wgmma; bf16/fp16, heads a multiple of 64, dims multiples of 64, top-k <= 2048 at 576
+        dims, compiled only — anything else raises). None: :func:`default_backend` — Mosaic on a compiled sm_90 GPU
+        at 576 / 512 dims where it applies, else Triton.
 
     Example:
       >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request
@@ -181,8 +215,26 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     num_tokens = q.shape[0]
     token_req = (jnp.arange(num_tokens, dtype=jnp.int32) if cu_query_lens is None
                  else metadata.token_requests(cu_query_lens, num_tokens))
-    cfg = config or config_lib.default_sparse_config(q.shape[1])
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    interpret = backend_lib.resolve_interpret(interpret)
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"backend must be one of {BACKENDS} or None; got {backend!r}")
+    if backend is None:
+        backend = "triton" if config is not None else default_backend(q, kv_lora_rank, topk_indices.shape[1],
+                                                                      interpret)
+    if backend == "mosaic":
+        if config is not None:
+            raise ValueError("config= tunes the Triton kernel; the Mosaic kernel takes none (pass backend='triton')")
+        topk = _padded_topk(topk_indices.shape[1])
+        reason = "interpret mode" if interpret else sparse_mosaic.supported(q, kv_lora_rank, topk)
+        if reason is not None:
+            raise ValueError(f"backend='mosaic' does not support {reason}; pass backend='triton'")
+        if topk != topk_indices.shape[1]:
+            topk_indices = jnp.pad(topk_indices, ((0, 0), (0, topk - topk_indices.shape[1])), constant_values=-1)
+        out, lse = sparse_mosaic.sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req,
+                                                   kv_lora_rank=kv_lora_rank, scale=float(scale))
+        return (out, lse) if return_lse else out
+    cfg = config or config_lib.default_sparse_config(q.shape[1])
     out, lse = _sparse_call(q, kv_cache, block_tables, topk_indices, token_req, kv_lora_rank=kv_lora_rank,
-                            scale=float(scale), interpret=backend.resolve_interpret(interpret), cfg=cfg)
+                            scale=float(scale), interpret=interpret, cfg=cfg)
     return (out, lse) if return_lse else out
