@@ -14,7 +14,7 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
   pallas_attn/parts      a mixed ragged batch run as separate calls, one per request group (decodes through
                          ``paged_decode_attention``, the others through ``paged_attention``)
   pallas_attn/mosaic     varlen prefill with ``backend="mosaic"`` (the Hopper kernel; GPU only)
-  pallas_attn/triton     varlen prefill with ``backend="triton"`` (the default picks per GPU and shape)
+  pallas_attn/triton     varlen prefill / sparse MLA with ``backend="triton"`` (the default picks per GPU and shape)
 """
 
 from __future__ import annotations
@@ -184,12 +184,12 @@ def _prepare_ragged_parts(batches: list[Batch], options: Options) -> Prepared:
                     note=f"{len(plans)} calls")
 
 
-def _prepare_sparse(batches: list[Batch], options: Options) -> Prepared:
+def _prepare_sparse(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
     if not hasattr(pallas_attn, "sparse_mla_attention"):
         raise NotImplementedError("pallas_attn.sparse_mla_attention has not landed yet")
     s = batches[0].spec
-    kw = dict(kv_lora_rank=s.kv_lora_rank, **_interpret_kw(options), **options.overrides)
+    kw = dict(kv_lora_rank=s.kv_lora_rank, **_interpret_kw(options), **options.overrides, **extra)
     fn = jax.jit(lambda q, kv, bt, ti: pallas_attn.sparse_mla_attention(q, kv, bt, ti, **kw))
     args = [(b.arrays["q"], b.arrays["kv_cache"], b.arrays["block_tables"], b.arrays["topk_indices"])
             for b in batches]
@@ -220,7 +220,8 @@ OUR_IMPLS: list[Impl] = [
          anchor=False),
     Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False),
     Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_prefill(b, o, backend="mosaic"), anchor=False),
-    Impl(f"{OURS}/triton", lambda s: s.kind == "prefill", lambda b, o: _prepare_prefill(b, o, backend="triton"),
+    Impl(f"{OURS}/triton", lambda s: s.kind in ("prefill", "sparse"),
+         lambda b, o: (_prepare_sparse if b[0].spec.kind == "sparse" else _prepare_prefill)(b, o, backend="triton"),
          anchor=False),
 ]
 
