@@ -288,7 +288,8 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`.
 
     ``block_kv`` (keys per K/V slot), ``max_concurrent_steps`` (slots) and ``registers`` (per thread: compute,
-    memory warpgroup; 2 · compute + memory ≤ 512) are tuning knobs for the probe, not public API."""
+    memory warpgroup; 2 · compute + memory ≤ 504 = 3 × 168, the launch's share, or the compute warpgroups' increase
+    never returns) are tuning knobs for the probe, not public API."""
     reason = supported(q, k)
     if reason is not None:
         raise ValueError(f"the Mosaic prefill does not support {reason}")
