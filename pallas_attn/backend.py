@@ -15,6 +15,7 @@ import os
 import jax
 
 ENV_INTERPRET = "PALLAS_ATTN_INTERPRET"
+BACKENDS = ("triton", "mosaic")  # kernels with a Hopper (Mosaic GPU) twin take backend= one of these
 H200_SM_COUNT = 132  # used for heuristics when no GPU is visible (interpret mode, CPU tests)
 
 
@@ -56,3 +57,21 @@ def is_hopper() -> bool:
     if not on_gpu():
         return False
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def select_backend(backend: str | None, *, config, default, mosaic_unsupported) -> str:
+    """The ``backend=`` argument of a kernel with a Mosaic GPU twin, resolved and checked at trace time.
+
+    ``None`` → ``default()`` unless a Triton ``config`` was given (it tunes only the Triton kernel). An explicit
+    ``"mosaic"`` with a ``config``, or where ``mosaic_unsupported()`` gives a reason, raises ``ValueError``."""
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"backend must be one of {BACKENDS} or None; got {backend!r}")
+    if backend is None:
+        return "triton" if config is not None else default()
+    if backend == "mosaic":
+        if config is not None:
+            raise ValueError("config= tunes the Triton kernel; the Mosaic kernel takes none (pass backend='triton')")
+        reason = mosaic_unsupported()
+        if reason is not None:
+            raise ValueError(f"backend='mosaic' does not support {reason}; pass backend='triton'")
+    return backend

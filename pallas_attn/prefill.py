@@ -175,7 +175,7 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
     validation.check_static_positive("max_seqlen", max_seqlen)
 
 
-BACKENDS = ("triton", "mosaic")
+BACKENDS = backend_lib.BACKENDS
 # The default on sm_90 (measured on the H200, benchmarks/NOTES.md): the Mosaic kernel from this max_seqlen on at
 # head_dim 128; the Triton kernel for short requests (a 64-row tile with one or two K/V steps is latency, where
 # Triton's several programs per SM win) and head_dim 64.
@@ -227,16 +227,10 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     _validate(q, k, v, cu_seqlens, max_seqlen)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     interpret = backend_lib.resolve_interpret(interpret)
-    if backend not in (None, *BACKENDS):
-        raise ValueError(f"backend must be one of {BACKENDS} or None; got {backend!r}")
-    if backend is None:
-        backend = "triton" if config is not None else default_backend(q, k, max_seqlen, interpret)
+    backend = backend_lib.select_backend(
+        backend, config=config, default=lambda: default_backend(q, k, max_seqlen, interpret),
+        mosaic_unsupported=lambda: prefill_mosaic.supported(q, k))
     if backend == "mosaic":
-        if config is not None:
-            raise ValueError("config= tunes the Triton kernel; the Mosaic kernel takes none (pass backend='triton')")
-        reason = prefill_mosaic.supported(q, k)
-        if reason is not None:
-            raise ValueError(f"backend='mosaic' does not support {reason}; pass backend='triton'")
         out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,
                                                           scale=float(scale), return_lse=return_lse,
                                                           interpret=interpret)

@@ -161,7 +161,7 @@ def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_ra
                                "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
 
 
-BACKENDS = ("triton", "mosaic")
+BACKENDS = backend_lib.BACKENDS
 
 
 def _padded_topk(topk: int) -> int:
@@ -217,18 +217,11 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
                  else metadata.token_requests(cu_query_lens, num_tokens))
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     interpret = backend_lib.resolve_interpret(interpret)
-    if backend not in (None, *BACKENDS):
-        raise ValueError(f"backend must be one of {BACKENDS} or None; got {backend!r}")
-    if backend is None:
-        backend = "triton" if config is not None else default_backend(q, kv_lora_rank, topk_indices.shape[1],
-                                                                      interpret)
+    topk = _padded_topk(topk_indices.shape[1])
+    backend = backend_lib.select_backend(
+        backend, config=config, default=lambda: default_backend(q, kv_lora_rank, topk_indices.shape[1], interpret),
+        mosaic_unsupported=lambda: "interpret mode" if interpret else sparse_mosaic.supported(q, kv_lora_rank, topk))
     if backend == "mosaic":
-        if config is not None:
-            raise ValueError("config= tunes the Triton kernel; the Mosaic kernel takes none (pass backend='triton')")
-        topk = _padded_topk(topk_indices.shape[1])
-        reason = "interpret mode" if interpret else sparse_mosaic.supported(q, kv_lora_rank, topk)
-        if reason is not None:
-            raise ValueError(f"backend='mosaic' does not support {reason}; pass backend='triton'")
         if topk != topk_indices.shape[1]:
             topk_indices = jnp.pad(topk_indices, ((0, 0), (0, topk - topk_indices.shape[1])), constant_values=-1)
         out, lse = sparse_mosaic.sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req,
