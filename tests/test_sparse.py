@@ -36,9 +36,10 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_matches_reference(name, rng):
-    seq_lens, per, heads, dqk, dv, bs, topk, dtype = SCENARIOS[name]
+def _check_against_reference(rng, seq_lens, per, heads, dqk, dv, bs, topk, dtype, **kwargs):
+    """Random top-k sets (-1 at random places, duplicates, the last partial page; row 0 all -1) over a cache with
+    NaN in every slot no request owns; with ``per`` (tokens per request) two padding tokens with NaN queries and
+    garbage indices. Output, LSE, the empty row and the padding rows against the reference."""
     kv, _, bt = make_paged_kv(rng, seq_lens, bs, None, dqk, dtype)
     tokens = per or [1] * len(seq_lens)
     idx = _topk(rng, seq_lens, tokens, topk)
@@ -51,7 +52,7 @@ def test_matches_reference(name, rng):
     q = jnp.asarray(q, dtype)
     cu = None if per is None else jnp.asarray(np.concatenate([[0], np.cumsum(per)]), jnp.int32)
     out, lse = sparse_mla_attention(q, kv, bt, jnp.asarray(idx), cu_query_lens=cu, kv_lora_rank=dv,
-                                    return_lse=True, config=SMALL)
+                                    return_lse=True, **kwargs)
     ref_out, ref_lse = reference.sparse_mla_attention(q, kv, bt, jnp.asarray(idx), cu_query_lens=cu,
                                                       kv_lora_rank=dv, return_lse=True)
     n = t - pad
@@ -60,7 +61,12 @@ def test_matches_reference(name, rng):
     fin = np.isfinite(np.asarray(ref_lse)[:n])
     np.testing.assert_allclose(np.asarray(lse)[:n][fin], np.asarray(ref_lse)[:n][fin], rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(out, np.float32)[0] == 0) and np.all(np.asarray(lse)[0] == -np.inf)
-    assert np.all(np.asarray(out, np.float32)[n:] == 0)
+    assert np.all(np.asarray(out, np.float32)[n:] == 0) and np.all(np.asarray(lse)[n:] == -np.inf)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_matches_reference(name, rng):
+    _check_against_reference(rng, *SCENARIOS[name], config=SMALL)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -116,31 +122,9 @@ MOSAIC_SCENARIOS = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", MOSAIC_SCENARIOS)
 def test_mosaic_matches_reference(name, rng):
-    """Compiled Mosaic kernel: -1 entries, an all -1 row, duplicates, last partial pages, NaN in every slot no
-    request owns (and past each request's end), NaN query rows for padding tokens, LSE."""
+    """The compiled Mosaic kernel under the same hostile inputs as the Triton one."""
     seq_lens, per, heads, bs, topk, dtype = MOSAIC_SCENARIOS[name]
-    kv, _, bt = make_paged_kv(rng, seq_lens, bs, None, 576, dtype)
-    tokens = per or [1] * len(seq_lens)
-    idx = _topk(rng, seq_lens, tokens, topk)
-    idx[1] = -1  # a row that sees nothing
-    pad = 0 if per is None else 2
-    t = len(idx) + pad
-    idx = np.concatenate([idx, rng.integers(-1, 50, (pad, topk)).astype(np.int32)])
-    q = np.full((t, heads, 576), np.nan, np.float32)
-    q[: t - pad] = rng.standard_normal((t - pad, heads, 576))
-    q = jnp.asarray(q, dtype)
-    cu = None if per is None else jnp.asarray(np.concatenate([[0], np.cumsum(per)]), jnp.int32)
-    out, lse = sparse_mla_attention(q, kv, bt, jnp.asarray(idx), cu_query_lens=cu, return_lse=True,
-                                    backend="mosaic")
-    ref_out, ref_lse = reference.sparse_mla_attention(q, kv, bt, jnp.asarray(idx), cu_query_lens=cu,
-                                                      return_lse=True)
-    n = t - pad
-    assert out.shape == (t, heads, 512) and out.dtype == q.dtype
-    assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
-    fin = np.isfinite(np.asarray(ref_lse)[:n])
-    np.testing.assert_allclose(np.asarray(lse)[:n][fin], np.asarray(ref_lse)[:n][fin], rtol=1e-5, atol=1e-4)
-    assert np.all(np.asarray(out, np.float32)[1] == 0) and np.all(np.asarray(lse)[1] == -np.inf)
-    assert np.all(np.asarray(out, np.float32)[n:] == 0) and np.all(np.asarray(lse)[n:] == -np.inf)
+    _check_against_reference(rng, seq_lens, per, heads, 576, 512, bs, topk, dtype, backend="mosaic")
 
 
 @pytest.mark.parametrize("heads, topk, block_size", [(128, 2048, 64), (64, 100, 16), (64, 64, 1)])
