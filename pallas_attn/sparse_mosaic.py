@@ -82,6 +82,8 @@ def _index(v):
 def _resolve_slots(topk_row, table_row, slots, *, block_size: int, num_pages: int, max_blocks: int):
     """``slots[i] = block_table[req, p // bs] * bs + p % bs`` for ``p = topk_row[i]``, ``-1`` where ``p`` is unused
     (``-1``) or past the table row; page numbers clamped into the pool (a bad index reads a wrong row, never faults).
+    The rule of :func:`pallas_attn.tiles.paged_rows` (which the Triton kernel calls), written as inlined Mosaic GPU
+    code: the Pallas Mosaic GPU backend has no gather from a GMEM table.
     Each of the warpgroup's 128 threads takes every 128th entry: independent loads, one latency for all."""
     max_pos = max_blocks * block_size
 
