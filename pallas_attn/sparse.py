@@ -173,12 +173,12 @@ def _padded_topk(topk: int) -> int:
 MOSAIC_DIMS = ((576, 512),)
 
 
-def default_backend(q, kv_lora_rank: int, topk: int, interpret: bool) -> str:
+def default_backend(q, kv_lora_rank: int, interpret: bool) -> str:
     """``sparse_mla_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU where it applies and was
     measured (576 / 512 dims), else "triton"."""
     if interpret or not backend_lib.is_hopper() or (q.shape[-1], kv_lora_rank) not in MOSAIC_DIMS:
         return "triton"
-    return "mosaic" if sparse_mosaic.supported(q, kv_lora_rank, _padded_topk(topk)) is None else "triton"
+    return "mosaic" if sparse_mosaic.supported(q, kv_lora_rank) is None else "triton"
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "return_lse", "interpret", "config",
@@ -219,8 +219,8 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     interpret = backend_lib.resolve_interpret(interpret)
     topk = _padded_topk(topk_indices.shape[1])
     backend = backend_lib.select_backend(
-        backend, config=config, default=lambda: default_backend(q, kv_lora_rank, topk_indices.shape[1], interpret),
-        mosaic_unsupported=lambda: "interpret mode" if interpret else sparse_mosaic.supported(q, kv_lora_rank, topk))
+        backend, config=config, default=lambda: default_backend(q, kv_lora_rank, interpret),
+        mosaic_unsupported=lambda: "interpret mode" if interpret else sparse_mosaic.supported(q, kv_lora_rank))
     if backend == "mosaic":
         if topk != topk_indices.shape[1]:
             topk_indices = jnp.pad(topk_indices, ((0, 0), (0, topk - topk_indices.shape[1])), constant_values=-1)

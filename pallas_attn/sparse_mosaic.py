@@ -5,23 +5,22 @@ applies), written FlashMLA-style for the backend that reaches Hopper's own instr
 
 * grid ``(num_tokens, H / 64)``: program ``(t, g)`` takes token ``t``'s heads ``64 g .. 64 g + 63`` (the M dim of
   both matmuls: every selected latent row is read once per 64 heads, not once per head).
-* three warpgroups. The memory warpgroup first resolves the token's whole top-k list into cache rows in shared
-  memory (top-k position → its request's ``block_table`` → physical slot, ``-1`` for unused entries: the
-  translation happens here, in the kernel), then gathers ``64``-row tiles of the latent cache into a ring of two
+* three warpgroups. The **memory** warpgroup translates the token's top-k list a tile ahead (top-k position → its
+  request's ``block_table`` → physical slot, ``-1`` for unused entries: the translation happens here, in the
+  kernel) into a small ring of resolved cache rows, then gathers ``64``-row tiles of the latent cache into two
   shared-memory slots with ``cp.async`` (16 bytes a thread, written straight into the 128-byte-swizzled tile layout
   wgmma reads; unused rows are zero-filled). TMA cannot do this on sm_90: its row gather (``gather4``) is a
   Blackwell instruction, and Pallas exposes ``cp.async`` only before sm_90, so the copy is inlined Mosaic GPU code.
-* two compute warpgroups, one per half of the value dims (``[64, 256]`` f32 accumulator each: 128 registers a
-  thread). Both compute the full ``S = Q Kᵀ`` over the 576 dims (duplicate tensor work, +53%, instead of a
-  shared-memory exchange of partial scores), the online softmax in registers (exp2, scale folded), and
-  ``O[:, half] += P · V[:, half]`` with ``V`` the first ``kv_lora_rank`` columns of the same gathered rows.
+* the **score** warpgroup computes ``S = Q Kᵀ`` over the 576 dims, the online softmax in registers (exp2, scale
+  folded) and ``O[:, :256] += P · V[:, :256]``; it hands ``P`` (bf16) and the rescale factor to the **value**
+  warpgroup, which does ``O[:, 256:] += P · V[:, 256:]``. ``P [64 heads, 64 keys]`` travels through the slot's own
+  rope columns (``[64, 64]``, the same swizzled layout, unread once Q Kᵀ is done): no extra shared memory, and the
+  slot's next gather already waits for both warpgroups. Each ``[64, 256]`` f32 accumulator is 128 registers a
+  thread; the tensor cores do only the useful FLOPs.
 * ``q`` is loaded once by TMA; after the last tile its shared memory holds the outputs (a ref union), stored by TMA.
 
-Measured on the H200 (2026-11-30, S1: 64 tokens x 128 heads, top-k 2048 of 32k, block size 64;
-``benchmarks/results/2026-11-30-nvidia-h200-session5-*.json``): 314 TFLOP/s (1,300 GB/s of gathered rows), the
-Triton kernel 177, a jitted jnp gather + dense attention 99; matmul ceiling of that run 704. Counting the duplicate
-Q Kᵀ the tensor cores do 1.53x the useful FLOPs (~480 TFLOP/s). What is left for the 400 target is in
-``benchmarks/NOTES.md``.
+Measured on the H200 (S1: 64 tokens x 128 heads, top-k 2048 of 32k, block size 64): see ``benchmarks/NOTES.md``
+("Sparse MLA on Mosaic GPU") and ``benchmarks/results/``.
 
 Compiled only: the Mosaic GPU interpreter cannot run inlined Mosaic GPU code, so CPU tests check this kernel's
 lowering and the Triton-backend kernel covers interpret mode.
@@ -44,29 +43,30 @@ from pallas_attn import softmax
 
 BLOCK_H = 64  # heads per program: one wgmma M tile
 BLOCK_N = 64  # selected rows per shared-memory slot
-COMPUTE_WGS = 2  # one per half of the value dims
-NUM_SLOTS = 2  # q (72 KB) + two 576-wide slots (144 KB) + the slot list: a third slot would overflow 227 KB
+COMPUTE_WGS = 2  # the score and the value warpgroup
+SCORE_COLS = 128  # value columns the score warpgroup accumulates (the value warpgroup takes the rest)
+MAX_ACC_COLS = 256  # one wgmma's N: wider value ranges are accumulated in blocks
+NUM_SLOTS = 2  # q (72 KB) + two 576-wide slots (144 KB): a third slot would overflow 227 KB
+RING = NUM_SLOTS + 1  # tiles of resolved rows: j + 2 is resolved while the compute warpgroups may read j and j + 1
 SWIZZLE = 128  # bytes: the wgmma operand layout is (8, 64)-element tiles, 16-byte chunks xor-ed by row % 8
 TILE_COLS = SWIZZLE // 2  # bf16 columns per swizzle tile
 CHUNK = 16  # bytes per cp.async
 THREADS_PER_ROW = SWIZZLE // CHUNK  # a row's 128-byte swizzle-tile row is 8 threads' chunks: coalesced
 WG_THREADS = 128
 SMEM_BYTES = 227 * 1024
-MAX_TOPK = 2048  # the slot list (4 bytes an entry) takes what q and the two slots leave: 8 KB at 576 dims
 
 
-def supported(q, kv_lora_rank: int, topk_padded: int) -> str | None:
-    """None when this kernel applies to these inputs, else the reason it does not."""
+def supported(q, kv_lora_rank: int) -> str | None:
+    """None when this kernel applies to these inputs, else the reason it does not (any top-k: the memory
+    warpgroup resolves it a tile at a time)."""
     num_heads, dim = q.shape[1:]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
     if num_heads % BLOCK_H:
         return f"{num_heads} heads (a multiple of {BLOCK_H})"
-    if dim % TILE_COLS or kv_lora_rank % (COMPUTE_WGS * TILE_COLS) or kv_lora_rank // COMPUTE_WGS > 256:
-        return f"dims {dim}/{kv_lora_rank} (multiples of {TILE_COLS}; value half <= 256)"
-    smem = (BLOCK_H + NUM_SLOTS * BLOCK_N) * dim * q.dtype.itemsize + 4 * topk_padded
-    if topk_padded > MAX_TOPK or smem > SMEM_BYTES - 2048:
-        return f"top-k {topk_padded} at {dim} dims (shared memory: at most {MAX_TOPK} at 576)"
+    if dim - kv_lora_rank != BLOCK_N or kv_lora_rank % TILE_COLS or not SCORE_COLS < kv_lora_rank <= 512:
+        return (f"dims {dim}/{kv_lora_rank} (rope dims {BLOCK_N}: they carry P; value dims a multiple of "
+                f"{TILE_COLS} in ({SCORE_COLS}, 512]: the value warpgroup's accumulators fit its registers)")
     return None
 
 
@@ -117,15 +117,16 @@ def _resolve_slots(topk_row, table_row, slots, *, block_size: int, num_pages: in
     resolve(topk_row, table_row, slots)
 
 
-def _gather(kv_ref, slots, dst, *, dim: int, itemsize: int):
-    """Issue one tile's ``cp.async`` copies: ``dst[r] = kv_ref[slots[r]]`` (zeros where ``slots[r] < 0``) into the
-    (8, 64)-tiled, 128-byte-swizzled ``dst [BLOCK_N, dim]``, then commit them as one group."""
-    col_tiles = dim // TILE_COLS
-    row_bytes = dim * itemsize
+def _gather(kv_ref, slots, dsts):
+    """Issue one tile's ``cp.async`` copies: row ``r`` of ``dsts`` (``[BLOCK_N, width]`` refs in the (8, 64)-tiled,
+    128-byte-swizzled layout, splitting each row's columns in order) gets ``kv_ref[slots[r]]``, zeros where
+    ``slots[r] < 0``; then commit them as one group."""
+    widths = [d.shape[-1] for d in dsts]
+    row_bytes = sum(widths) * kv_ref.dtype.itemsize
     tiled = plgpu.RefType(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), tiled))
-    def gather(ctx, kv, slots_ref, dst_ref):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), *[tiled] * len(dsts)))
+    def gather(ctx, kv, slots_ref, *dst_refs):
         del ctx
         i64 = ir.IntegerType.get_signless(64)
         i8 = ir.IntegerType.get_signless(8)
@@ -133,7 +134,7 @@ def _gather(kv_ref, slots, dst, *, dim: int, itemsize: int):
         row_in_pass = arith.divui(tid, _i32(THREADS_PER_ROW))
         lane = arith.remui(tid, _i32(THREADS_PER_ROW))  # this thread's 16-byte chunk of each 128-byte tile row
         src_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu.utils.memref_ptr(kv))
-        dst_base = mgpu.utils.memref_ptr(dst_ref)
+        dst_bases = [mgpu.utils.memref_ptr(d) for d in dst_refs]
         rows_per_pass = WG_THREADS // THREADS_PER_ROW
         for p in range(BLOCK_N // rows_per_pass):
             row = arith.addi(row_in_pass, _i32(p * rows_per_pass))
@@ -143,21 +144,25 @@ def _gather(kv_ref, slots, dst, *, dim: int, itemsize: int):
             src_bytes = arith.muli(src_row, arith.constant(i64, row_bytes))
             size = arith.select(valid, _i32(CHUNK), _i32(0))  # 0: zero-fill the chunk (an unused top-k entry)
             r8 = arith.remui(row, _i32(8))
-            # byte offset in the tiled layout [BLOCK_N / 8, col_tiles, 8, 64]: 1 KB per (8 rows x 64 cols) tile
-            tile_row = arith.addi(arith.muli(arith.divui(row, _i32(8)), _i32(col_tiles * 1024)),
-                                  arith.muli(r8, _i32(SWIZZLE)))
             swizzled = arith.muli(arith.xori(lane, r8), _i32(CHUNK))
-            for c in range(col_tiles):
-                dst_off = arith.addi(arith.addi(tile_row, swizzled), _i32(c * 1024))
-                src_off = arith.addi(src_bytes, arith.extui(i64, arith.addi(arith.muli(lane, _i32(CHUNK)),
-                                                                            _i32(c * SWIZZLE))))
-                nvvm.cp_async_shared_global(
-                    mgpu.utils.getelementptr(dst_base, [dst_off], i8),
-                    mgpu.utils.getelementptr(src_base, [src_off], i8),
-                    CHUNK, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+            col = 0  # the row's 128-byte column tile, counted across dsts
+            for dst_base, width in zip(dst_bases, widths):
+                col_tiles = width // TILE_COLS
+                # byte offset in the tiled layout [BLOCK_N / 8, col_tiles, 8, 64]: 1 KB per (8 x 64) tile
+                tile_row = arith.addi(arith.muli(arith.divui(row, _i32(8)), _i32(col_tiles * 1024)),
+                                      arith.muli(r8, _i32(SWIZZLE)))
+                for c in range(col_tiles):
+                    dst_off = arith.addi(arith.addi(tile_row, swizzled), _i32(c * 1024))
+                    src_off = arith.addi(src_bytes, arith.extui(i64, arith.addi(arith.muli(lane, _i32(CHUNK)),
+                                                                                _i32((col + c) * SWIZZLE))))
+                    nvvm.cp_async_shared_global(
+                        mgpu.utils.getelementptr(dst_base, [dst_off], i8),
+                        mgpu.utils.getelementptr(src_base, [src_off], i8),
+                        CHUNK, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+                col += col_tiles
         nvvm.cp_async_commit_group()
 
-    gather(kv_ref, slots, dst)
+    gather(kv_ref, slots, *dsts)
 
 
 def _wait_gathers(pending: int):
@@ -173,86 +178,119 @@ def _wait_gathers(pending: int):
 
 # ---------------------------------------------------------------------------------------------- kernel body
 def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, scoped, *, block_size: int,
-            num_pages: int, kv_lora_rank: int, scale2: float, registers: tuple[int, int]):
-    (qo, kv_smem, slots_smem), (q_bar, loaded, consumed, q_done) = scoped
+            num_pages: int, scale2: float, col_blocks: tuple[tuple[int, int], ...],
+            registers: tuple[int, int, int]):
+    (qo, k_nope, k_rope, ring, stats), (q_bar, loaded, p_ready, consumed, l_ready) = scoped
     t = lax.axis_index("token")
     g = lax.axis_index("hblk")
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
-    dim = q_ref.shape[-1]
-    half = kv_lora_rank // COMPUTE_WGS
+    kv_lora_rank = k_nope.shape[-1]
     req = token_req_ref[t]
     num_tiles = jnp.where(req >= 0, topk_ref.shape[1] // BLOCK_N, 0)  # a padding token visits no tile
     heads = pl.ds(g * BLOCK_H, BLOCK_H)
+    q_smem, (o_smems, lse_smem) = qo
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    score_blocks, value_blocks = range(1), range(1, len(col_blocks))  # the score warpgroup's columns, the rest
 
-    def compute(h: int):
-        q_smem, (o_smem, lse_smem) = qo
+    def zeros(blocks):
+        return tuple(plgpu.layout_cast(jnp.full((BLOCK_H, col_blocks[b][1]), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                     for b in blocks)
+
+    def rescaled(accs, factor):
+        return tuple(a * lax.broadcast_in_dim(factor, a.shape, [0]) for a in accs)
+
+    def pv(accs, p, slot, blocks):  # accs[i] += P · V[:, block i]
+        def mma(acc_refs):
+            for acc_ref, b in zip(acc_refs, blocks):
+                plgpu.wgmma(acc_ref, p, k_nope.at[slot, :, pl.ds(*col_blocks[b])])
+
+        return pl.run_state(mma)(tuple(plgpu.ACC.init(a) for a in accs))
+
+    def store(accs, l_i, blocks):
+        for acc, b in zip(accs, blocks):
+            o_smems[b][...] = softmax.finalize((acc, l_i, l_i))[0].astype(dtype)  # finalize's LSE: not this one
+        plgpu.commit_smem()
+        for b in blocks:
+            plgpu.copy_smem_to_gmem(o_smems[b], o_ref.at[t, heads, pl.ds(*col_blocks[b])])
+
+    @pl.when(wg == 0)
+    def _scores():
         plgpu.set_max_registers(registers[0], action="increase")
-
-        if h == 0:
-            plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem, q_bar)
-
+        plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((BLOCK_H, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row_layout)
 
         def step(j, state):
-            acc, m_i, l_i = state
+            accs, m_i, l_i = state
             slot = lax.rem(j, NUM_SLOTS)
             plgpu.barrier_wait(loaded.at[slot])
-            kv = kv_smem.at[slot]
 
             def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem, kv.transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(0, kv_lora_rank)], k_nope.at[slot].transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(kv_lora_rank, BLOCK_N)], k_rope.at[slot].transpose((1, 0)))
                 return s_ref[...]
 
             s2 = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_N), jnp.float32)) * scale2
-            rows = plgpu.load(slots_smem.at[pl.ds(j * BLOCK_N, BLOCK_N)], (),
+            rows = plgpu.load(ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], (),
                               layout=plgpu.Layout.WGMMA.reduce(0))
             s2 = jnp.where(lax.broadcast_in_dim(rows >= 0, s2.shape, [1]), s2, -jnp.inf)
             m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s2)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, kv.at[:, pl.ds(h * half, half)])
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            k_rope.at[slot][...] = p16  # Q Kᵀ has read the rope columns: they carry P to the value warpgroup
+            stats.at[slot][...] = alpha
+            plgpu.commit_smem()  # visible to the value warpgroup's wgmma (async proxy) before the arrival
+            plgpu.barrier_arrive(p_ready.at[slot])
+            accs = pv(rescaled(accs, alpha), p16, slot, score_blocks)
             plgpu.barrier_arrive(consumed.at[slot])
-            return acc, m_i, l_i
+            return accs, m_i, l_i
 
-        state = lax.fori_loop(0, num_tiles, step, (acc, m_i, l_i))
-        out, lse = softmax.finalize(state)
-        plgpu.barrier_arrive(q_done)  # both warpgroups are past their last Q Kᵀ: q's memory becomes the output
-        plgpu.barrier_wait(q_done)
-        o_smem.at[h][...] = out.astype(dtype)
-        if h == 0:
-            lse_smem[...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[h], o_ref.at[t, heads, pl.ds(h * half, half)])
-        if h == 0:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, heads])
+        accs, m_i, l_i = lax.fori_loop(0, num_tiles, step, (zeros(score_blocks), m_i, l_i))
+        stats.at[NUM_SLOTS][...] = l_i
+        plgpu.barrier_arrive(l_ready)  # also: the last Q Kᵀ is done, q's memory may take the outputs
+        lse_smem[...] = softmax.finalize((accs[0], m_i, l_i))[1]
+        store(accs, l_i, score_blocks)
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, heads])
         plgpu.wait_smem_to_gmem(0)
 
-    for h in range(COMPUTE_WGS):
-        pl.when(wg == h)(functools.partial(compute, h))
+    @pl.when(wg == 1)
+    def _values():
+        plgpu.set_max_registers(registers[1], action="increase")
+
+        def step(j, accs):
+            slot = lax.rem(j, NUM_SLOTS)
+            plgpu.barrier_wait(loaded.at[slot])
+            plgpu.barrier_wait(p_ready.at[slot])
+            alpha = plgpu.load(stats.at[slot], (), layout=row_layout)
+            accs = pv(rescaled(accs, alpha), k_rope.at[slot], slot, value_blocks)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return accs
+
+        accs = lax.fori_loop(0, num_tiles, step, zeros(value_blocks))
+        plgpu.barrier_wait(l_ready)
+        store(accs, plgpu.load(stats.at[NUM_SLOTS], (), layout=row_layout), value_blocks)
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _release_registers():  # always: the compute warpgroups' increase waits for these registers
-        plgpu.set_max_registers(registers[1], action="decrease")
+        plgpu.set_max_registers(registers[2], action="decrease")
 
     @pl.when((wg == COMPUTE_WGS) & (num_tiles > 0))
     def _memory():
-        _resolve_slots(topk_ref.at[t], table_ref.at[req], slots_smem, block_size=block_size, num_pages=num_pages,
-                       max_blocks=table_ref.shape[1])
-        gather = functools.partial(_gather, kv_ref, dim=dim, itemsize=kv_ref.dtype.itemsize)
+        def resolve(j, n: int):  # tiles j .. j + n - 1 into the ring (j % RING + n <= RING)
+            _resolve_slots(topk_ref.at[t, pl.ds(j * BLOCK_N, n * BLOCK_N)], table_ref.at[req],
+                           ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, n * BLOCK_N)], block_size=block_size,
+                           num_pages=num_pages, max_blocks=table_ref.shape[1])
 
         def issue(j):
-            gather(slots_smem.at[pl.ds(j * BLOCK_N, BLOCK_N)], kv_smem.at[lax.rem(j, NUM_SLOTS)])
+            slot = lax.rem(j, NUM_SLOTS)
+            _gather(kv_ref, ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], (k_nope.at[slot], k_rope.at[slot]))
 
-        for j in range(min(NUM_SLOTS, topk_ref.shape[1] // BLOCK_N)):
-            pl.when(j < num_tiles)(functools.partial(issue, j))
+        first = min(NUM_SLOTS, topk_ref.shape[1] // BLOCK_N)  # num_tiles is all of them here
+        resolve(0, first)
+        for j in range(first):
+            issue(j)
 
         @pl.loop(0, num_tiles)
         def _tile(j):
@@ -269,35 +307,46 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
 
             @pl.when(j + NUM_SLOTS < num_tiles)
             def _refill():
+                resolve(j + NUM_SLOTS, 1)  # before the wait: the table lookups overlap tile j's compute
                 plgpu.barrier_wait(consumed.at[lax.rem(j, NUM_SLOTS)])
                 issue(j + NUM_SLOTS)
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
+def _value_blocks(kv_lora_rank: int, score_cols: int) -> tuple[tuple[int, int], ...]:
+    """``(start, width)`` of each accumulator's value columns: the score warpgroup's ``[0, score_cols)`` first, then
+    the value warpgroup's rest in blocks of at most one wgmma's N."""
+    rest = range(score_cols, kv_lora_rank, MAX_ACC_COLS)
+    return ((0, score_cols),) + tuple((c, min(MAX_ACC_COLS, kv_lora_rank - c)) for c in rest)
+
+
 def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, *, kv_lora_rank: int, scale: float,
-                      registers: tuple[int, int] = (232, 40)):
+                      registers: tuple[int, int, int] = (232, 232, 40), score_cols: int = SCORE_COLS):
     """``(out [T, H, kv_lora_rank], lse f32[T, H])``; arguments validated by
     :func:`pallas_attn.sparse.sparse_mla_attention` and :func:`supported`. ``topk_indices`` padded to a multiple of
-    ``BLOCK_N`` with ``-1``. ``registers``: per thread, compute and memory warpgroups; the three share the launch's
-    3 × 168, so ``2 · compute + memory <= 504`` (more and the compute warpgroups' increase waits forever)."""
+    ``BLOCK_N`` with ``-1``. ``registers``: per thread, the score, value and memory warpgroups; they share the
+    launch's 3 × 168, so the sum must stay <= 504 (more and the compute warpgroups' increase waits forever)."""
     num_tokens, num_heads, dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     topk = topk_indices.shape[1]
-    reason = supported(q, kv_lora_rank, topk)
+    reason = supported(q, kv_lora_rank)
     if reason is not None or topk % BLOCK_N:
         raise ValueError(f"the Mosaic sparse kernel does not support {reason or f'top-k {topk}'}")
-    half = kv_lora_rank // COMPUTE_WGS
+    col_blocks = _value_blocks(kv_lora_rank, score_cols)
     tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
     scratch = (
         (plgpu.RefUnion(plgpu.SMEM((BLOCK_H, dim), q.dtype, **tiled),  # q, then (after the last tile) the outputs
-                        (plgpu.SMEM((COMPUTE_WGS, BLOCK_H, half), q.dtype), plgpu.SMEM((BLOCK_H,), jnp.float32))),
-         plgpu.SMEM((NUM_SLOTS, BLOCK_N, dim), kv_cache.dtype, **tiled),
-         plgpu.SMEM((topk,), jnp.int32)),  # the token's resolved cache rows
-        (plgpu.Barrier(), plgpu.Barrier(num_barriers=NUM_SLOTS),
-         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=NUM_SLOTS), plgpu.Barrier(num_arrivals=COMPUTE_WGS)),
+                        (tuple(plgpu.SMEM((BLOCK_H, w), q.dtype) for _, w in col_blocks),
+                         plgpu.SMEM((BLOCK_H,), jnp.float32))),
+         plgpu.SMEM((NUM_SLOTS, BLOCK_N, kv_lora_rank), kv_cache.dtype, **tiled),  # the slots' value columns
+         plgpu.SMEM((NUM_SLOTS, BLOCK_N, dim - kv_lora_rank), kv_cache.dtype, **tiled),  # rope columns, then P
+         plgpu.SMEM((RING * BLOCK_N,), jnp.int32),  # resolved cache rows of the tiles in flight
+         plgpu.SMEM((NUM_SLOTS + 1, BLOCK_H), jnp.float32)),  # each slot's rescale factor, then the row sums
+        (plgpu.Barrier(), plgpu.Barrier(num_barriers=NUM_SLOTS), plgpu.Barrier(num_barriers=NUM_SLOTS),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=NUM_SLOTS), plgpu.Barrier()),
     )
-    body = functools.partial(_kernel, block_size=block_size, num_pages=num_blocks, kv_lora_rank=kv_lora_rank,
-                             scale2=scale * softmax.LOG2E, registers=registers)
+    body = functools.partial(_kernel, block_size=block_size, num_pages=num_blocks, scale2=scale * softmax.LOG2E,
+                             col_blocks=col_blocks, registers=registers)
 
     def sparse_mla_kernel(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")

@@ -4,8 +4,8 @@ each checked against the reference (f32, relative L2) and timed like the harness
     VARIANTS="prev:64:64:8:2,new:64:64:8:2,mosaic" python scripts/probe_sparse.py   # rows to $OUT/sparse_probe.json
 
 ``new`` is the package's Triton kernel (``block_n:block_h:warps:stages``), ``prev`` ``scripts/_sparse_prev.py`` (a
-copy of the Triton kernel before a change, when present: put it there to compare), ``mosaic[:regs:regs]`` the
-Mosaic kernel.
+copy of the Triton kernel before a change, when present: put it there to compare), ``mosaic[:regs:regs:regs[:score_cols]]``
+the Mosaic kernel (registers of each warpgroup, value columns of the score warpgroup), ``mprev[:regs:regs]`` ``scripts/_sparse_mosaic_prev.py`` (the same for the Mosaic kernel).
 Hostile inputs (unused entries, NaN in unowned pages, padding tokens) are the compiled tests' job
 (``tests/test_sparse.py``; ``scripts/gpu_sparse.sh`` runs them first).
 """
@@ -26,19 +26,26 @@ ref = np.asarray(reference.sparse_mla_attention(*[x.astype(jnp.float32) if x.dty
                                                  for x in args]), np.float32)
 flops, gathered = host.flops(), host.bytes_moved()  # the harness's counts
 mods = {"new": new_mod}
-prev_path = os.path.join(os.path.dirname(__file__), "_sparse_prev.py")
-if os.path.exists(prev_path):
-    s = importlib.util.spec_from_file_location("sparse_prev", prev_path)
-    mods["prev"] = importlib.util.module_from_spec(s); s.loader.exec_module(mods["prev"])
+mosaic_mods = {"mosaic": new_mod.sparse_mosaic}
+for key, table, file in (("prev", mods, "_sparse_prev.py"), ("mprev", mosaic_mods, "_sparse_mosaic_prev.py"),
+                         ("mexp", mosaic_mods, "_sparse_mosaic_exp.py")):
+    path = os.path.join(os.path.dirname(__file__), file)
+    if os.path.exists(path):
+        s = importlib.util.spec_from_file_location(file[:-3], path)
+        table[key] = importlib.util.module_from_spec(s); s.loader.exec_module(table[key])
 
 
 rows = []
 for v in os.environ.get("VARIANTS", "new:64:64:8:2").split(","):
-    if v.startswith("mosaic"):  # mosaic[:compute_regs:memory_regs]
-        regs = tuple(map(int, v.split(":")[1:])) or (232, 40)
-        fn = jax.jit(lambda *x: new_mod.sparse_mosaic.sparse_mla_mosaic(
-            *x[:4], jnp.arange(x[0].shape[0], dtype=jnp.int32), kv_lora_rank=512, scale=576 ** -0.5,
-            registers=regs)[0])
+    kind, *rest = v.split(":")
+    if kind.startswith("mexp-"):  # mexp-<what to skip>: timing experiments of scripts/_sparse_mosaic_exp.py
+        mosaic_mods["mexp"].SKIP, kind = kind[5:], "mexp"  # read when jit traces, on the first call below
+    if kind in mosaic_mods:  # mosaic[:registers of each warpgroup]
+        kw = dict(registers=tuple(map(int, rest[:3]))) if rest else {}
+        if len(rest) > 3:
+            kw["score_cols"] = int(rest[3])
+        fn = jax.jit(lambda *x, m=mosaic_mods[kind], kw=kw: m.sparse_mla_mosaic(
+            *x[:4], jnp.arange(x[0].shape[0], dtype=jnp.int32), kv_lora_rank=512, scale=576 ** -0.5, **kw)[0])
     else:
         name, bn, bh, w, st = v.split(":")
         cfg = config_lib.SparseConfig(block_n=int(bn), block_h=int(bh), num_warps=int(w), num_stages=int(st))

@@ -127,10 +127,11 @@ def test_mosaic_matches_reference(name, rng):
     _check_against_reference(rng, seq_lens, per, heads, 576, 512, bs, topk, dtype, backend="mosaic")
 
 
-@pytest.mark.parametrize("heads, topk, block_size", [(128, 2048, 64), (64, 100, 16), (64, 64, 1)])
+@pytest.mark.parametrize("heads, topk, block_size", [(128, 2048, 64), (64, 100, 16), (64, 64, 1), (64, 4096, 64)])
 def test_mosaic_lowers_for_cuda(heads, topk, block_size):
     """The compiled path's lowering (cp.async gather, wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked
-    without a GPU: shared memory fits (q 72 KB + two 72 KB slots + the slot list), the inlined gather lowers."""
+    without a GPU: shared memory fits (q 72 KB + two 72 KB slots + the ring of resolved rows), the inlined gather
+    lowers, any top-k (the rows are resolved a tile at a time)."""
     import jax
 
     from pallas_attn import sparse_mosaic
@@ -147,22 +148,21 @@ def test_mosaic_lowers_for_cuda(heads, topk, block_size):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("hopper, interpret, heads, dtype, expected, topk", [
-    (True, False, 128, jnp.bfloat16, "mosaic", 2048),
-    (True, False, 64, jnp.float16, "mosaic", 2048),
-    (True, False, 16, jnp.bfloat16, "triton", 2048),  # heads not a multiple of 64
-    (True, False, 128, jnp.float32, "triton", 2048),
-    (True, False, 128, jnp.bfloat16, "triton", 4096),  # top-k past what shared memory holds
-    (True, True, 128, jnp.bfloat16, "triton", 2048),  # interpret mode: the Mosaic kernel is compiled only
-    (False, False, 128, jnp.bfloat16, "triton", 2048),
+@pytest.mark.parametrize("hopper, interpret, heads, dtype, expected", [
+    (True, False, 128, jnp.bfloat16, "mosaic"),
+    (True, False, 64, jnp.float16, "mosaic"),
+    (True, False, 16, jnp.bfloat16, "triton"),  # heads not a multiple of 64
+    (True, False, 128, jnp.float32, "triton"),
+    (True, True, 128, jnp.bfloat16, "triton"),  # interpret mode: the Mosaic kernel is compiled only
+    (False, False, 128, jnp.bfloat16, "triton"),
 ])
-def test_default_backend_rule(monkeypatch, hopper, interpret, heads, dtype, expected, topk):
+def test_default_backend_rule(monkeypatch, hopper, interpret, heads, dtype, expected):
     from pallas_attn import backend, sparse
 
     monkeypatch.setattr(backend, "is_hopper", lambda: hopper)
     q = jnp.zeros((2, heads, 576), dtype)
-    assert sparse.default_backend(q, 512, topk, interpret) == expected
-    assert sparse.default_backend(jnp.zeros((2, heads, 320), dtype), 256, topk, interpret) == "triton"  # unmeasured
+    assert sparse.default_backend(q, 512, interpret) == expected
+    assert sparse.default_backend(jnp.zeros((2, heads, 320), dtype), 256, interpret) == "triton"  # unmeasured
 
 
 def test_mosaic_backend_refuses_what_it_cannot_run():
