@@ -13,9 +13,9 @@ token are the M dimension of both dots and share each gathered tile. The QKᵀ d
 (non-power-of-two) tile exists.
 
 On a compiled sm_90 GPU at DeepSeek's 576 / 512 dims the default is the Mosaic GPU kernel of
-:mod:`pallas_attn.sparse_mosaic` (warp-specialised: a memory warpgroup gathers the rows with ``cp.async``, two compute
-warpgroups each own half the value dims): S1 314 TFLOP/s against this kernel's 177 on the H200. This Triton kernel
-is the default elsewhere and in interpret mode (``backend=`` forces either).
+:mod:`pallas_attn.sparse_mosaic` (warp-specialised: a memory warpgroup gathers the rows with ``cp.async``, a score
+warpgroup hands P to a value warpgroup): S1 395 TFLOP/s against this kernel's 178 on the H200. This Triton kernel is
+the default elsewhere and in interpret mode (``backend=`` forces either).
 
 Reference: :func:`pallas_attn.reference.sparse_mla_attention`.
 """
@@ -168,8 +168,8 @@ def _padded_topk(topk: int) -> int:
     return pl.cdiv(topk, sparse_mosaic.BLOCK_N) * sparse_mosaic.BLOCK_N
 
 
-# Measured on the H200 (2026-11-30, S1: 64 tokens x 128 heads, top-k 2048, 576/512 dims): the Mosaic kernel 314
-# TFLOP/s, the Triton kernel 177. Only DeepSeek's 576 / 512 dims were measured (and tested compiled).
+# Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048, 576/512 dims): the Mosaic kernel 395
+# TFLOP/s, the Triton kernel 178. Only DeepSeek's 576 / 512 dims were measured (and tested compiled).
 MOSAIC_DIMS = ((576, 512),)
 
 
@@ -204,9 +204,9 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
       interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.backend`).
       config: tiles / warps / stages of the Triton kernel (:class:`pallas_attn.config.SparseConfig`).
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.sparse_mosaic` (warp-specialised,
-        cp.async gather, wgmma; bf16/fp16, heads a multiple of 64, dims multiples of 64, top-k <= 2048 at 576
-        dims, compiled only — anything else raises). None: :func:`default_backend` — Mosaic on a compiled sm_90 GPU
-        at 576 / 512 dims where it applies, else Triton.
+        cp.async gather, wgmma; bf16/fp16, heads a multiple of 64, 64 rope dims, value dims a multiple of 64 in
+        (192, 512], any top-k, compiled only — anything else raises). None: :func:`default_backend` — Mosaic on a
+        compiled sm_90 GPU at 576 / 512 dims where it applies, else Triton.
 
     Example:
       >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request

@@ -12,15 +12,18 @@ applies), written FlashMLA-style for the backend that reaches Hopper's own instr
   wgmma reads; unused rows are zero-filled). TMA cannot do this on sm_90: its row gather (``gather4``) is a
   Blackwell instruction, and Pallas exposes ``cp.async`` only before sm_90, so the copy is inlined Mosaic GPU code.
 * the **score** warpgroup computes ``S = Q Kᵀ`` over the 576 dims, the online softmax in registers (exp2, scale
-  folded) and ``O[:, :256] += P · V[:, :256]``; it hands ``P`` (bf16) and the rescale factor to the **value**
-  warpgroup, which does ``O[:, 256:] += P · V[:, 256:]``. ``P [64 heads, 64 keys]`` travels through the slot's own
+  folded) and ``O[:, :192] += P · V[:, :192]``; it hands ``P`` (bf16) and the rescale factor to the **value**
+  warpgroup, which does ``O[:, 192:] += P · V[:, 192:]``. ``P [64 heads, 64 keys]`` travels through the slot's own
   rope columns (``[64, 64]``, the same swizzled layout, unread once Q Kᵀ is done): no extra shared memory, and the
-  slot's next gather already waits for both warpgroups. Each ``[64, 256]`` f32 accumulator is 128 registers a
-  thread; the tensor cores do only the useful FLOPs.
+  slot's next gather already waits for both warpgroups. The tensor cores do only the useful FLOPs. The score
+  warpgroup holds the smaller accumulator (96 registers a thread against 160): its scores, P and softmax state
+  spilled when it held half of the 512 columns.
 * ``q`` is loaded once by TMA; after the last tile its shared memory holds the outputs (a ref union), stored by TMA.
 
-Measured on the H200 (S1: 64 tokens x 128 heads, top-k 2048 of 32k, block size 64): see ``benchmarks/NOTES.md``
-("Sparse MLA on Mosaic GPU") and ``benchmarks/results/``.
+Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048 of 32k, block size 64;
+``benchmarks/results/2026-12-01-nvidia-h200-session6-S1.json``): 395 TFLOP/s (1,635 GB/s of gathered rows), the
+Triton kernel 178, a jitted jnp gather + dense attention 100; matmul ceiling of that run 687. What each step
+bought and what is left: ``benchmarks/NOTES.md`` ("Sparse MLA on Mosaic GPU").
 
 Compiled only: the Mosaic GPU interpreter cannot run inlined Mosaic GPU code, so CPU tests check this kernel's
 lowering and the Triton-backend kernel covers interpret mode.
@@ -44,7 +47,9 @@ from pallas_attn import softmax
 BLOCK_H = 64  # heads per program: one wgmma M tile
 BLOCK_N = 64  # selected rows per shared-memory slot
 COMPUTE_WGS = 2  # the score and the value warpgroup
-SCORE_COLS = 128  # value columns the score warpgroup accumulates (the value warpgroup takes the rest)
+# Value columns the score warpgroup accumulates (the value warpgroup takes the rest). Its chain (Q Kᵀ, softmax, its
+# P · V) is the longer one, but at 256 columns its registers spill. S1: 128 → 388 TFLOP/s, 192 → 396, 256 → 393.
+SCORE_COLS = 192
 MAX_ACC_COLS = 256  # one wgmma's N: wider value ranges are accumulated in blocks
 NUM_SLOTS = 2  # q (72 KB) + two 576-wide slots (144 KB): a third slot would overflow 227 KB
 RING = NUM_SLOTS + 1  # tiles of resolved rows: j + 2 is resolved while the compute warpgroups may read j and j + 1
@@ -53,7 +58,6 @@ TILE_COLS = SWIZZLE // 2  # bf16 columns per swizzle tile
 CHUNK = 16  # bytes per cp.async
 THREADS_PER_ROW = SWIZZLE // CHUNK  # a row's 128-byte swizzle-tile row is 8 threads' chunks: coalesced
 WG_THREADS = 128
-SMEM_BYTES = 227 * 1024
 
 
 def supported(q, kv_lora_rank: int) -> str | None:
@@ -321,7 +325,7 @@ def _value_blocks(kv_lora_rank: int, score_cols: int) -> tuple[tuple[int, int], 
 
 
 def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, *, kv_lora_rank: int, scale: float,
-                      registers: tuple[int, int, int] = (232, 232, 40), score_cols: int = SCORE_COLS):
+                      registers: tuple[int, int, int] = (240, 224, 40), score_cols: int = SCORE_COLS):
     """``(out [T, H, kv_lora_rank], lse f32[T, H])``; arguments validated by
     :func:`pallas_attn.sparse.sparse_mla_attention` and :func:`supported`. ``topk_indices`` padded to a multiple of
     ``BLOCK_N`` with ``-1``. ``registers``: per thread, the score, value and memory warpgroups; they share the

@@ -4,8 +4,9 @@ each checked against the reference (f32, relative L2) and timed like the harness
     VARIANTS="prev:64:64:8:2,new:64:64:8:2,mosaic" python scripts/probe_sparse.py   # rows to $OUT/sparse_probe.json
 
 ``new`` is the package's Triton kernel (``block_n:block_h:warps:stages``), ``prev`` ``scripts/_sparse_prev.py`` (a
-copy of the Triton kernel before a change, when present: put it there to compare), ``mosaic[:regs:regs:regs[:score_cols]]``
-the Mosaic kernel (registers of each warpgroup, value columns of the score warpgroup), ``mprev[:regs:regs]`` ``scripts/_sparse_mosaic_prev.py`` (the same for the Mosaic kernel).
+copy of the Triton kernel before a change, when present: put it there to compare), ``mosaic[:r:r:r[:score_cols]]``
+the Mosaic kernel (registers of the score, value and memory warpgroups; value columns of the score warpgroup),
+``mprev[:r:r...]`` ``scripts/_sparse_mosaic_prev.py`` (a copy of the Mosaic kernel before a change, likewise).
 Hostile inputs (unused entries, NaN in unowned pages, padding tokens) are the compiled tests' job
 (``tests/test_sparse.py``; ``scripts/gpu_sparse.sh`` runs them first).
 """
@@ -27,8 +28,7 @@ ref = np.asarray(reference.sparse_mla_attention(*[x.astype(jnp.float32) if x.dty
 flops, gathered = host.flops(), host.bytes_moved()  # the harness's counts
 mods = {"new": new_mod}
 mosaic_mods = {"mosaic": new_mod.sparse_mosaic}
-for key, table, file in (("prev", mods, "_sparse_prev.py"), ("mprev", mosaic_mods, "_sparse_mosaic_prev.py"),
-                         ("mexp", mosaic_mods, "_sparse_mosaic_exp.py")):
+for key, table, file in (("prev", mods, "_sparse_prev.py"), ("mprev", mosaic_mods, "_sparse_mosaic_prev.py")):
     path = os.path.join(os.path.dirname(__file__), file)
     if os.path.exists(path):
         s = importlib.util.spec_from_file_location(file[:-3], path)
@@ -38,9 +38,7 @@ for key, table, file in (("prev", mods, "_sparse_prev.py"), ("mprev", mosaic_mod
 rows = []
 for v in os.environ.get("VARIANTS", "new:64:64:8:2").split(","):
     kind, *rest = v.split(":")
-    if kind.startswith("mexp-"):  # mexp-<what to skip>: timing experiments of scripts/_sparse_mosaic_exp.py
-        mosaic_mods["mexp"].SKIP, kind = kind[5:], "mexp"  # read when jit traces, on the first call below
-    if kind in mosaic_mods:  # mosaic[:registers of each warpgroup]
+    if kind in mosaic_mods:
         kw = dict(registers=tuple(map(int, rest[:3]))) if rest else {}
         if len(rest) > 3:
             kw["score_cols"] = int(rest[3])
