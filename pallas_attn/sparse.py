@@ -169,7 +169,9 @@ def _padded_topk(topk: int) -> int:
 
 
 # Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048, 576/512 dims): the Mosaic kernel 395
-# TFLOP/s, the Triton kernel 178. Only DeepSeek's 576 / 512 dims were measured (and tested compiled).
+# TFLOP/s, the Triton kernel 178; faster on each other decode batch tried too (1-256 tokens, top-k 256-2048, 64 or
+# 128 heads; 16 tokens at top-k 256 the closest: 40.5 vs 43.2 us; benchmarks/results/*-session6-sparse-probe-shapes).
+# Only DeepSeek's 576 / 512 dims were measured (and tested compiled).
 MOSAIC_DIMS = ((576, 512),)
 
 
