@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
-from pallas_attn import softmax
+from pallas_attn import backend, softmax
 
 BLOCK_H = 64  # heads per program: one wgmma M tile
 BLOCK_N = 64  # selected rows per shared-memory slot
@@ -58,6 +58,7 @@ TILE_COLS = SWIZZLE // 2  # bf16 columns per swizzle tile
 CHUNK = 16  # bytes per cp.async
 THREADS_PER_ROW = SWIZZLE // CHUNK  # a row's 128-byte swizzle-tile row is 8 threads' chunks: coalesced
 WG_THREADS = 128
+MIN_SPLIT_TILES = 2  # a program's fixed cost (q, the first lookups and gathers: ~3.5 us) is about two tiles' work
 
 
 def supported(q, kv_lora_rank: int) -> str | None:
@@ -183,15 +184,16 @@ def _wait_gathers(pending: int):
 # ---------------------------------------------------------------------------------------------- kernel body
 def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, scoped, *, block_size: int,
             num_pages: int, scale2: float, col_blocks: tuple[tuple[int, int], ...],
-            registers: tuple[int, int, int]):
+            registers: tuple[int, int, int], split_tiles: int):
     (qo, k_nope, k_rope, ring, stats), (q_bar, loaded, p_ready, consumed, l_ready) = scoped
     t = lax.axis_index("token")
     g = lax.axis_index("hblk")
+    split = lax.axis_index("split")  # this program's tiles of the top-k list: split_tiles from split · split_tiles
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     kv_lora_rank = k_nope.shape[-1]
     req = token_req_ref[t]
-    num_tiles = jnp.where(req >= 0, topk_ref.shape[1] // BLOCK_N, 0)  # a padding token visits no tile
+    num_tiles = jnp.where(req >= 0, split_tiles, 0)  # a padding token visits no tile
     heads = pl.ds(g * BLOCK_H, BLOCK_H)
     q_smem, (o_smems, lse_smem) = qo
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -216,7 +218,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
             o_smems[b][...] = softmax.finalize((acc, l_i, l_i))[0].astype(dtype)  # finalize's LSE: not this one
         plgpu.commit_smem()
         for b in blocks:
-            plgpu.copy_smem_to_gmem(o_smems[b], o_ref.at[t, heads, pl.ds(*col_blocks[b])])
+            plgpu.copy_smem_to_gmem(o_smems[b], o_ref.at[split, t, heads, pl.ds(*col_blocks[b])])
 
     @pl.when(wg == 0)
     def _scores():
@@ -255,7 +257,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
         plgpu.barrier_arrive(l_ready)  # also: the last Q Kᵀ is done, q's memory may take the outputs
         lse_smem[...] = softmax.finalize((accs[0], m_i, l_i))[1]
         store(accs, l_i, score_blocks)
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, heads])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, t, heads])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -283,7 +285,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
     @pl.when((wg == COMPUTE_WGS) & (num_tiles > 0))
     def _memory():
         def resolve(j, n: int):  # tiles j .. j + n - 1 into the ring (j % RING + n <= RING)
-            _resolve_slots(topk_ref.at[t, pl.ds(j * BLOCK_N, n * BLOCK_N)], table_ref.at[req],
+            _resolve_slots(topk_ref.at[t, pl.ds((split * split_tiles + j) * BLOCK_N, n * BLOCK_N)], table_ref.at[req],
                            ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, n * BLOCK_N)], block_size=block_size,
                            num_pages=num_pages, max_blocks=table_ref.shape[1])
 
@@ -291,7 +293,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
             slot = lax.rem(j, NUM_SLOTS)
             _gather(kv_ref, ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], (k_nope.at[slot], k_rope.at[slot]))
 
-        first = min(NUM_SLOTS, topk_ref.shape[1] // BLOCK_N)  # num_tiles is all of them here
+        first = min(NUM_SLOTS, split_tiles)  # num_tiles is split_tiles here
         resolve(0, first)
         for j in range(first):
             issue(j)
@@ -324,18 +326,39 @@ def _value_blocks(kv_lora_rank: int, score_cols: int) -> tuple[tuple[int, int], 
     return ((0, score_cols),) + tuple((c, min(MAX_ACC_COLS, kv_lora_rank - c)) for c in rest)
 
 
+def default_splits(num_programs: int, num_tiles: int, num_sms: int | None = None) -> int:
+    """How many programs share one (token, 64 heads)'s top-k list: 1 when the batch's ``num_programs`` fill half the
+    SMs (one program an SM: shared memory), else the largest divisor of ``num_tiles`` that keeps every program on its
+    own SM and gives each at least ``MIN_SPLIT_TILES`` tiles. A small batch is latency-bound otherwise (one token,
+    128 heads: 2 programs walk 32 tiles each while 130 SMs idle)."""
+    sms = num_sms or backend.num_sms()
+    if 2 * num_programs >= sms:
+        return 1
+    return max(d for d in range(1, num_tiles + 1)
+               if num_tiles % d == 0 and (d == 1 or (num_programs * d <= sms and num_tiles // d >= MIN_SPLIT_TILES)))
+
+
 def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, *, kv_lora_rank: int, scale: float,
-                      registers: tuple[int, int, int] = (240, 224, 40), score_cols: int = SCORE_COLS):
+                      registers: tuple[int, int, int] = (240, 224, 40), score_cols: int = SCORE_COLS,
+                      num_splits: int | None = None):
     """``(out [T, H, kv_lora_rank], lse f32[T, H])``; arguments validated by
     :func:`pallas_attn.sparse.sparse_mla_attention` and :func:`supported`. ``topk_indices`` padded to a multiple of
     ``BLOCK_N`` with ``-1``. ``registers``: per thread, the score, value and memory warpgroups; they share the
-    launch's 3 × 168, so the sum must stay <= 504 (more and the compute warpgroups' increase waits forever)."""
+    launch's 3 × 168, so the sum must stay <= 504 (more and the compute warpgroups' increase waits forever).
+    ``num_splits``: programs per (token, 64 heads), each taking an equal share of the top-k tiles (a divisor of their
+    number; None: :func:`default_splits`); their partial outputs are merged by
+    :func:`pallas_attn.softmax.merge_attention_states`."""
     num_tokens, num_heads, dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     topk = topk_indices.shape[1]
     reason = supported(q, kv_lora_rank)
     if reason is not None or topk % BLOCK_N:
         raise ValueError(f"the Mosaic sparse kernel does not support {reason or f'top-k {topk}'}")
+    num_tiles = topk // BLOCK_N
+    if num_splits is None:
+        num_splits = default_splits(num_tokens * (num_heads // BLOCK_H), num_tiles)
+    if num_tiles % num_splits:
+        raise ValueError(f"num_splits={num_splits} must divide the {num_tiles} top-k tiles")
     col_blocks = _value_blocks(kv_lora_rank, score_cols)
     tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
     scratch = (
@@ -350,16 +373,17 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, *, kv_
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=NUM_SLOTS), plgpu.Barrier()),
     )
     body = functools.partial(_kernel, block_size=block_size, num_pages=num_blocks, scale2=scale * softmax.LOG2E,
-                             col_blocks=col_blocks, registers=registers)
+                             col_blocks=col_blocks, registers=registers, split_tiles=num_tiles // num_splits)
 
     def sparse_mla_kernel(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
 
-    return plgpu.kernel(
+    out, lse = plgpu.kernel(
         sparse_mla_kernel,
-        out_type=[jax.ShapeDtypeStruct((num_tokens, num_heads, kv_lora_rank), q.dtype),
-                  jax.ShapeDtypeStruct((num_tokens, num_heads), jnp.float32)],
-        grid=(num_tokens, num_heads // BLOCK_H), grid_names=("token", "hblk"),
+        out_type=[jax.ShapeDtypeStruct((num_splits, num_tokens, num_heads, kv_lora_rank), q.dtype),
+                  jax.ShapeDtypeStruct((num_splits, num_tokens, num_heads), jnp.float32)],
+        grid=(num_tokens, num_heads // BLOCK_H, num_splits), grid_names=("token", "hblk", "split"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(token_req, topk_indices, block_tables, q, kv_cache.reshape(num_blocks * block_size, dim))
+    return softmax.merge_split_outputs(out, lse, num_splits, (num_tokens, num_heads, kv_lora_rank), q.dtype)

@@ -116,6 +116,7 @@ MOSAIC_SCENARIOS = {
     "decode_bs1_topk64": ([40, 7, 64], None, 128, 1, 64, jnp.bfloat16),
     "multi_token_bs16_topk200": ([90, 17, 500], [3, 1, 4], 64, 16, 200, jnp.bfloat16),  # top-k padded to 256
     "decode_fp16": ([70, 333], None, 64, 32, 128, jnp.float16),
+    "one_token_split4": ([5000], None, 128, 64, 512, jnp.bfloat16),  # 2 programs, 8 tiles: 4 splits merged
 }
 
 
@@ -127,8 +128,9 @@ def test_mosaic_matches_reference(name, rng):
     _check_against_reference(rng, seq_lens, per, heads, 576, 512, bs, topk, dtype, backend="mosaic")
 
 
-@pytest.mark.parametrize("heads, topk, block_size", [(128, 2048, 64), (64, 100, 16), (64, 64, 1), (64, 4096, 64)])
-def test_mosaic_lowers_for_cuda(heads, topk, block_size):
+@pytest.mark.parametrize("heads, topk, block_size, splits", [
+    (128, 2048, 64, None), (64, 100, 16, None), (64, 64, 1, None), (64, 4096, 64, 1), (128, 2048, 64, 8)])
+def test_mosaic_lowers_for_cuda(heads, topk, block_size, splits):
     """The compiled path's lowering (cp.async gather, wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked
     without a GPU: shared memory fits (q 72 KB + two 72 KB slots + the ring of resolved rows), the inlined gather
     lowers, any top-k (the rows are resolved a tile at a time)."""
@@ -142,7 +144,7 @@ def test_mosaic_lowers_for_cuda(heads, topk, block_size):
             S((3, topk_p), jnp.int32), S((3,), jnp.int32))
 
     def f(q, kv, bt, ti, tr):
-        return sparse_mosaic.sparse_mla_mosaic(q, kv, bt, ti, tr, kv_lora_rank=512, scale=0.04)
+        return sparse_mosaic.sparse_mla_mosaic(q, kv, bt, ti, tr, kv_lora_rank=512, scale=0.04, num_splits=splits)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -163,6 +165,20 @@ def test_default_backend_rule(monkeypatch, hopper, interpret, heads, dtype, expe
     q = jnp.zeros((2, heads, 576), dtype)
     assert sparse.default_backend(q, 512, interpret) == expected
     assert sparse.default_backend(jnp.zeros((2, heads, 320), dtype), 256, interpret) == "triton"  # unmeasured
+
+
+@pytest.mark.parametrize("programs, tiles, expected", [
+    (128, 32, 1),  # S1: the batch fills the GPU
+    (64, 32, 2),   # 64 programs: half the SMs idle
+    (2, 32, 16),   # one token, 128 heads: 32 programs of 2 tiles
+    (16, 32, 8),   # 8 tokens: 128 programs of 4 tiles
+    (6, 1, 1),     # one tile: nothing to split
+    (5, 4, 2),     # never below MIN_SPLIT_TILES tiles a program
+])
+def test_default_splits(programs, tiles, expected):
+    from pallas_attn import sparse_mosaic
+
+    assert sparse_mosaic.default_splits(programs, tiles, num_sms=132) == expected
 
 
 def test_mosaic_backend_refuses_what_it_cannot_run():
