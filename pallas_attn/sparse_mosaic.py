@@ -19,6 +19,9 @@ applies), written FlashMLA-style for the backend that reaches Hopper's own instr
   warpgroup holds the smaller accumulator (96 registers a thread against 160): its scores, P and softmax state
   spilled when it held half of the 512 columns.
 * ``q`` is loaded once by TMA; after the last tile its shared memory holds the outputs (a ref union), stored by TMA.
+* a small batch with a long top-k list (fewer programs than half the SMs) shares each list among several programs,
+  grid ``(num_tokens, H / 64, splits)``, whose partial outputs and LSEs are merged by
+  :func:`pallas_attn.softmax.merge_attention_states` (:func:`default_splits`).
 
 Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048 of 32k, block size 64;
 ``benchmarks/results/2026-12-01-nvidia-h200-session6-S1.json``): 395 TFLOP/s (1,635 GB/s of gathered rows), the
@@ -58,7 +61,12 @@ TILE_COLS = SWIZZLE // 2  # bf16 columns per swizzle tile
 CHUNK = 16  # bytes per cp.async
 THREADS_PER_ROW = SWIZZLE // CHUNK  # a row's 128-byte swizzle-tile row is 8 threads' chunks: coalesced
 WG_THREADS = 128
-MIN_SPLIT_TILES = 2  # a program's fixed cost (q, the first lookups and gathers: ~3.5 us) is about two tiles' work
+# Splitting a token's top-k list over programs (measured on the H200, 128 heads unless said, us unsplit -> split):
+# one token 82.8 -> 59.6 (16 splits), 8 tokens 84.3 -> 74.1 (8), 64 tokens of 64 heads 88.4 -> 71.1 (2), but 16
+# tokens at top-k 256 40.5 -> 69.9 (2 splits of 2 tiles): the merge of the partial outputs costs tens of us, so only
+# long lists (at least MIN_TOPK_TILES_TO_SPLIT tiles) are split, into programs of at least MIN_SPLIT_TILES tiles.
+MIN_SPLIT_TILES = 2
+MIN_TOPK_TILES_TO_SPLIT = 16
 
 
 def supported(q, kv_lora_rank: int) -> str | None:
@@ -328,11 +336,11 @@ def _value_blocks(kv_lora_rank: int, score_cols: int) -> tuple[tuple[int, int], 
 
 def default_splits(num_programs: int, num_tiles: int, num_sms: int | None = None) -> int:
     """How many programs share one (token, 64 heads)'s top-k list: 1 when the batch's ``num_programs`` fill half the
-    SMs (one program an SM: shared memory), else the largest divisor of ``num_tiles`` that keeps every program on its
-    own SM and gives each at least ``MIN_SPLIT_TILES`` tiles. A small batch is latency-bound otherwise (one token,
-    128 heads: 2 programs walk 32 tiles each while 130 SMs idle)."""
+    SMs (one program an SM: shared memory) or the list is short, else the largest divisor of ``num_tiles`` that keeps
+    every program on its own SM and gives each at least ``MIN_SPLIT_TILES`` tiles. A small batch is latency-bound
+    otherwise (one token, 128 heads: 2 programs walk 32 tiles each while 130 SMs idle)."""
     sms = num_sms or backend.num_sms()
-    if 2 * num_programs >= sms:
+    if 2 * num_programs >= sms or num_tiles < MIN_TOPK_TILES_TO_SPLIT:
         return 1
     return max(d for d in range(1, num_tiles + 1)
                if num_tiles % d == 0 and (d == 1 or (num_programs * d <= sms and num_tiles // d >= MIN_SPLIT_TILES)))

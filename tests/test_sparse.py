@@ -116,7 +116,6 @@ MOSAIC_SCENARIOS = {
     "decode_bs1_topk64": ([40, 7, 64], None, 128, 1, 64, jnp.bfloat16),
     "multi_token_bs16_topk200": ([90, 17, 500], [3, 1, 4], 64, 16, 200, jnp.bfloat16),  # top-k padded to 256
     "decode_fp16": ([70, 333], None, 64, 32, 128, jnp.float16),
-    "one_token_split4": ([5000], None, 128, 64, 512, jnp.bfloat16),  # 2 programs, 8 tiles: 4 splits merged
 }
 
 
@@ -126,6 +125,17 @@ def test_mosaic_matches_reference(name, rng):
     """The compiled Mosaic kernel under the same hostile inputs as the Triton one."""
     seq_lens, per, heads, bs, topk, dtype = MOSAIC_SCENARIOS[name]
     _check_against_reference(rng, seq_lens, per, heads, 576, 512, bs, topk, dtype, backend="mosaic")
+
+
+@pytest.mark.gpu
+def test_mosaic_split_matches_reference(monkeypatch, rng):
+    """Each token's top-k list shared by 4 programs per head block, partial outputs merged (the default rule splits
+    lists of 1024+ positions of small batches; forced here on a shorter one, with the usual hostile inputs: token 0
+    sees nothing, token 1 is a real merge)."""
+    from pallas_attn import sparse_mosaic
+
+    monkeypatch.setattr(sparse_mosaic, "default_splits", lambda *args: 4)
+    _check_against_reference(rng, [5000, 3000], None, 128, 576, 512, 64, 512, jnp.bfloat16, backend="mosaic")
 
 
 @pytest.mark.parametrize("heads, topk, block_size, splits", [
@@ -172,8 +182,9 @@ def test_default_backend_rule(monkeypatch, hopper, interpret, heads, dtype, expe
     (64, 32, 2),   # 64 programs: half the SMs idle
     (2, 32, 16),   # one token, 128 heads: 32 programs of 2 tiles
     (16, 32, 8),   # 8 tokens: 128 programs of 4 tiles
-    (6, 1, 1),     # one tile: nothing to split
-    (5, 4, 2),     # never below MIN_SPLIT_TILES tiles a program
+    (2, 16, 8),    # top-k 1024: still split
+    (32, 4, 1),    # top-k 256: the merge would cost more than the split buys
+    (6, 1, 1),
 ])
 def test_default_splits(programs, tiles, expected):
     from pallas_attn import sparse_mosaic
