@@ -338,7 +338,9 @@ def default_splits(num_programs: int, num_tiles: int, num_sms: int | None = None
     """How many programs share one (token, 64 heads)'s top-k list: 1 when the batch's ``num_programs`` fill half the
     SMs (one program an SM: shared memory) or the list is short, else the largest divisor of ``num_tiles`` that keeps
     every program on its own SM and gives each at least ``MIN_SPLIT_TILES`` tiles. A small batch is latency-bound
-    otherwise (one token, 128 heads: 2 programs walk 32 tiles each while 130 SMs idle)."""
+    otherwise (one token, 128 heads: 2 programs walk 32 tiles each while 130 SMs idle). The split count follows the
+    batch, so a token's output is not bitwise the same in batches of different sizes (partials are rounded to the
+    output dtype before the f32 merge)."""
     sms = num_sms or backend.num_sms()
     if 2 * num_programs >= sms or num_tiles < MIN_TOPK_TILES_TO_SPLIT:
         return 1

@@ -28,7 +28,6 @@ for key, table, file in (("prev", mods, "_sparse_prev.py"), ("mprev", mosaic_mod
         table[key] = importlib.util.module_from_spec(s); s.loader.exec_module(table[key])
 
 
-
 def specs():
     """S1 (or its tiny twin), or with ``SHAPES="requests:ctx:heads:topk,..."`` decode batches of other sizes (block
     size 64, top-k distinct positions of each request, as S1's)."""
