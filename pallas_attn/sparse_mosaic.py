@@ -39,6 +39,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as jax_core
+from jax._src.pallas.mosaic_gpu import core as gpu_core
+from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -178,13 +181,42 @@ def _gather(kv_ref, slots, dsts):
     gather(kv_ref, slots, *dsts)
 
 
-def _wait_gathers(pending: int):
-    """Wait until at most ``pending`` of this thread's gather groups are in flight."""
+# A tile's gathers complete asynchronously: each memory thread's ``cp.async.mbarrier.arrive.noinc`` arrives on the
+# slot's ``loaded`` barrier once that thread's copies have landed, so the memory warpgroup never blocks on a tile
+# (with ``cp.async.wait_group`` it could signal tile j + 1 only after issuing j + 2, i.e. after both compute
+# warpgroups had released tile j: Q Kᵀ of j + 1 waited for the value warpgroup's P · V of j). Pallas has no such
+# arrival (its barrier refs cannot enter inline Mosaic GPU code), hence this one-instruction primitive.
+_cp_async_arrive_p = jax_core.Primitive("cp_async_arrive")
+_cp_async_arrive_p.multiple_results = True
+
+
+@_cp_async_arrive_p.def_effectful_abstract_eval
+def _cp_async_arrive_abstract_eval(barriers, index):
+    del barriers, index
+    return (), {gpu_core._memory_effect}
+
+
+@mgpu_lowering.register_lowering_rule(_cp_async_arrive_p, mgpu.LoweringSemantics.Lane)
+@mgpu_lowering.register_lowering_rule(_cp_async_arrive_p, mgpu.LoweringSemantics.Warpgroup)
+def _cp_async_arrive_lowering(ctx, barriers, index):
+    del ctx
+    barrier = barriers[mgpu_lowering._ensure_ir_value(index, jnp.int32)]
+    nvvm.cp_async_mbarrier_arrive(barrier.get_ptr(), noinc=True)
+    return ()
+
+
+def _arrive_when_landed(barriers, index):
+    """Every thread of the warpgroup: arrive on ``barriers[index]`` when its ``cp.async`` copies so far land."""
+    _cp_async_arrive_p.bind(barriers, index)
+
+
+def _wait_gathers():
+    """Wait until this thread's gathers have landed."""
 
     @plgpu.inline_mgpu()
     def wait(ctx):
         del ctx
-        nvvm.cp_async_wait_group(pending)
+        nvvm.cp_async_wait_group(0)
 
     wait()
 
@@ -240,6 +272,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
             accs, m_i, l_i = state
             slot = lax.rem(j, NUM_SLOTS)
             plgpu.barrier_wait(loaded.at[slot])
+            plgpu.commit_smem()  # the rows other threads' cp.async wrote become visible to this wgmma (async proxy)
 
             def qk(s_ref):
                 plgpu.wgmma(s_ref, q_smem.at[:, pl.ds(0, kv_lora_rank)], k_nope.at[slot].transpose((1, 0)))
@@ -276,6 +309,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
             slot = lax.rem(j, NUM_SLOTS)
             plgpu.barrier_wait(loaded.at[slot])
             plgpu.barrier_wait(p_ready.at[slot])
+            plgpu.commit_smem()  # as in the score warpgroup: the gathered rows, for this wgmma
             alpha = plgpu.load(stats.at[slot], (), layout=row_layout)
             accs = pv(rescaled(accs, alpha), k_rope.at[slot], slot, value_blocks)
             plgpu.barrier_arrive(consumed.at[slot])
@@ -297,33 +331,24 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
                            ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, n * BLOCK_N)], block_size=block_size,
                            num_pages=num_pages, max_blocks=table_ref.shape[1])
 
-        def issue(j):
+        def issue(j):  # tile j into its slot: loaded[slot] completes when every thread's copies have landed
             slot = lax.rem(j, NUM_SLOTS)
+            plgpu.barrier_arrive(loaded.at[slot])  # releases the ring's rows of tile j (the score warpgroup's mask)
             _gather(kv_ref, ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], (k_nope.at[slot], k_rope.at[slot]))
+            _arrive_when_landed(loaded, slot)
 
         first = min(NUM_SLOTS, split_tiles)  # num_tiles is split_tiles here
         resolve(0, first)
         for j in range(first):
             issue(j)
 
-        @pl.loop(0, num_tiles)
-        def _tile(j):
-            @pl.when(j + 1 < num_tiles)
-            def _():
-                _wait_gathers(1)  # tile j landed; j + 1 may still be in flight
+        @pl.loop(0, max(split_tiles - NUM_SLOTS, 0))
+        def _refill(j):
+            resolve(j + NUM_SLOTS, 1)  # before the wait: the table lookups overlap tile j's compute
+            plgpu.barrier_wait(consumed.at[lax.rem(j, NUM_SLOTS)])
+            issue(j + NUM_SLOTS)
 
-            @pl.when(j + 1 >= num_tiles)
-            def _():
-                _wait_gathers(0)
-
-            plgpu.commit_smem()  # the copies become visible to wgmma (async proxy) in every thread ...
-            plgpu.barrier_arrive(loaded.at[lax.rem(j, NUM_SLOTS)])  # ... before the one arrival
-
-            @pl.when(j + NUM_SLOTS < num_tiles)
-            def _refill():
-                resolve(j + NUM_SLOTS, 1)  # before the wait: the table lookups overlap tile j's compute
-                plgpu.barrier_wait(consumed.at[lax.rem(j, NUM_SLOTS)])
-                issue(j + NUM_SLOTS)
+        _wait_gathers()  # nothing in flight when the warpgroup exits
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
@@ -379,7 +404,8 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, *, kv_
          plgpu.SMEM((NUM_SLOTS, BLOCK_N, dim - kv_lora_rank), kv_cache.dtype, **tiled),  # rope columns, then P
          plgpu.SMEM((RING * BLOCK_N,), jnp.int32),  # resolved cache rows of the tiles in flight
          plgpu.SMEM((NUM_SLOTS + 1, BLOCK_H), jnp.float32)),  # each slot's rescale factor, then the row sums
-        (plgpu.Barrier(), plgpu.Barrier(num_barriers=NUM_SLOTS), plgpu.Barrier(num_barriers=NUM_SLOTS),
+        # loaded: the memory warpgroup's arrival after resolving the tile, then one per thread as its copies land
+        (plgpu.Barrier(), plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS), plgpu.Barrier(num_barriers=NUM_SLOTS),
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=NUM_SLOTS), plgpu.Barrier()),
     )
     body = functools.partial(_kernel, block_size=block_size, num_pages=num_blocks, scale2=scale * softmax.LOG2E,
