@@ -67,13 +67,21 @@ def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2):
     return alpha[:, None] * acc + dot(p.astype(v.dtype), v), m_new, l
 
 
+def normalize(acc, l):
+    """``acc [M, D] / l [M]``; rows with no key (``l == 0``) give 0."""
+    return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+
+
+def log_sum_exp(m, l):
+    """The natural-log LSE ``[M]`` of a state's base-2 running max ``m`` and row sum ``l``; ``-inf`` where ``l == 0``."""
+    empty = l == 0.0
+    return jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
+
+
 def finalize(state):
     """``(out [M, D] f32, lse [M] f32 natural log)``; rows with no key give 0 and ``-inf``."""
     acc, m, l = state
-    empty = l == 0.0
-    out = acc / jnp.where(empty, 1.0, l)[:, None]
-    lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
-    return out, lse
+    return normalize(acc, l), log_sum_exp(m, l)
 
 
 def merge_split_outputs(out, lse, num_splits: int, shape: tuple, dtype):

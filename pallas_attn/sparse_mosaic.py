@@ -255,7 +255,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
 
     def store(accs, l_i, blocks):
         for acc, b in zip(accs, blocks):
-            o_smems[b][...] = softmax.finalize((acc, l_i, l_i))[0].astype(dtype)  # finalize's LSE: not this one
+            o_smems[b][...] = softmax.normalize(acc, l_i).astype(dtype)
         plgpu.commit_smem()
         for b in blocks:
             plgpu.copy_smem_to_gmem(o_smems[b], o_ref.at[split, t, heads, pl.ds(*col_blocks[b])])
@@ -296,7 +296,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
         accs, m_i, l_i = lax.fori_loop(0, num_tiles, step, (zeros(score_blocks), m_i, l_i))
         stats.at[NUM_SLOTS][...] = l_i
         plgpu.barrier_arrive(l_ready)  # also: the last Q Kᵀ is done, q's memory may take the outputs
-        lse_smem[...] = softmax.finalize((accs[0], m_i, l_i))[1]
+        lse_smem[...] = softmax.log_sum_exp(m_i, l_i)
         store(accs, l_i, score_blocks)
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, t, heads])
         plgpu.wait_smem_to_gmem(0)
