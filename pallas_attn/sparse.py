@@ -14,7 +14,7 @@ token are the M dimension of both dots and share each gathered tile. The QKᵀ d
 
 On a compiled sm_90 GPU at DeepSeek's 576 / 512 dims the default is the Mosaic GPU kernel of
 :mod:`pallas_attn.sparse_mosaic` (warp-specialised: a memory warpgroup gathers the rows with ``cp.async``, a score
-warpgroup hands P to a value warpgroup): S1 395 TFLOP/s against this kernel's 178 on the H200. This Triton kernel is
+warpgroup hands P to a value warpgroup): S1 442 TFLOP/s against this kernel's 178 on the H200. This Triton kernel is
 the default elsewhere and in interpret mode (``backend=`` forces either).
 
 Reference: :func:`pallas_attn.reference.sparse_mla_attention`.
@@ -168,9 +168,9 @@ def _padded_topk(topk: int) -> int:
     return pl.cdiv(topk, sparse_mosaic.BLOCK_N) * sparse_mosaic.BLOCK_N
 
 
-# Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048, 576/512 dims): the Mosaic kernel 395
+# Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048, 576/512 dims): the Mosaic kernel 442
 # TFLOP/s, the Triton kernel 178; faster on each other decode batch tried too (1-256 tokens, top-k 256-2048, 64 or
-# 128 heads; 16 tokens at top-k 256 the closest: 40.5 vs 43.2 us; benchmarks/results/*-session6-sparse-probe-shapes).
+# 128 heads; 16 tokens at top-k 256 the closest: 36.0 vs 40.5 us; benchmarks/results/*-session7-sparse-probe-shapes).
 # Only DeepSeek's 576 / 512 dims were measured (and tested compiled).
 MOSAIC_DIMS = ((576, 512),)
 

@@ -11,6 +11,8 @@ applies), written FlashMLA-style for the backend that reaches Hopper's own instr
   shared-memory slots with ``cp.async`` (16 bytes a thread, written straight into the 128-byte-swizzled tile layout
   wgmma reads; unused rows are zero-filled). TMA cannot do this on sm_90: its row gather (``gather4``) is a
   Blackwell instruction, and Pallas exposes ``cp.async`` only before sm_90, so the copy is inlined Mosaic GPU code.
+  A tile signals its own arrival (``cp.async.mbarrier.arrive.noinc``): the memory warpgroup never waits for a copy
+  to land, only for a slot to be released, and the compute warpgroups fence the async proxy before wgmma reads it.
 * the **score** warpgroup computes ``S = Q Kᵀ`` over the 576 dims, the online softmax in registers (exp2, scale
   folded) and ``O[:, :192] += P · V[:, :192]``; it hands ``P`` (bf16) and the rescale factor to the **value**
   warpgroup, which does ``O[:, 192:] += P · V[:, 192:]``. ``P [64 heads, 64 keys]`` travels through the slot's own
@@ -24,8 +26,8 @@ applies), written FlashMLA-style for the backend that reaches Hopper's own instr
   :func:`pallas_attn.softmax.merge_attention_states` (:func:`default_splits`).
 
 Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048 of 32k, block size 64;
-``benchmarks/results/2026-12-01-nvidia-h200-session6-S1.json``): 395 TFLOP/s (1,635 GB/s of gathered rows), the
-Triton kernel 178, a jitted jnp gather + dense attention 100; matmul ceiling of that run 687. What each step
+``benchmarks/results/2026-12-01-nvidia-h200-session7-S1-final.json``): 442 TFLOP/s (82.6 us, 1,827 GB/s of gathered
+rows), the Triton kernel 178, a jitted jnp gather + dense attention 99; matmul ceiling of that run 688. What each step
 bought and what is left: ``benchmarks/NOTES.md`` ("Sparse MLA on Mosaic GPU").
 
 Compiled only: the Mosaic GPU interpreter cannot run inlined Mosaic GPU code, so CPU tests check this kernel's
@@ -54,7 +56,8 @@ BLOCK_H = 64  # heads per program: one wgmma M tile
 BLOCK_N = 64  # selected rows per shared-memory slot
 COMPUTE_WGS = 2  # the score and the value warpgroup
 # Value columns the score warpgroup accumulates (the value warpgroup takes the rest). Its chain (Q Kᵀ, softmax, its
-# P · V) is the longer one, but at 256 columns its registers spill. S1: 128 → 388 TFLOP/s, 192 → 396, 256 → 393.
+# P · V) is the longer one, but at 256 columns its registers spill. S1 (measured before tiles signalled their own
+# arrival): 128 → 388 TFLOP/s, 192 → 396, 256 → 393; 128 → 425 against 192's 432 after.
 SCORE_COLS = 192
 MAX_ACC_COLS = 256  # one wgmma's N: wider value ranges are accumulated in blocks
 NUM_SLOTS = 2  # q (72 KB) + two 576-wide slots (144 KB): a third slot would overflow 227 KB
@@ -64,10 +67,11 @@ TILE_COLS = SWIZZLE // 2  # bf16 columns per swizzle tile
 CHUNK = 16  # bytes per cp.async
 THREADS_PER_ROW = SWIZZLE // CHUNK  # a row's 128-byte swizzle-tile row is 8 threads' chunks: coalesced
 WG_THREADS = 128
-# Splitting a token's top-k list over programs (measured on the H200, 128 heads unless said, us unsplit -> split):
-# one token 82.8 -> 59.6 (16 splits), 8 tokens 84.3 -> 74.1 (8), 64 tokens of 64 heads 88.4 -> 71.1 (2), but 16
-# tokens at top-k 256 40.5 -> 69.9 (2 splits of 2 tiles): the merge of the partial outputs costs tens of us, so only
-# long lists (at least MIN_TOPK_TILES_TO_SPLIT tiles) are split, into programs of at least MIN_SPLIT_TILES tiles.
+# Splitting a token's top-k list over programs (measured on the H200 before tiles signalled their own arrival, 128
+# heads unless said, us unsplit -> split): one token 82.8 -> 59.6 (16 splits), 8 tokens 84.3 -> 74.1 (8), 64 tokens
+# of 64 heads 88.4 -> 71.1 (2), but 16 tokens at top-k 256 40.5 -> 69.9 (2 splits of 2 tiles): the merge of the
+# partial outputs costs tens of us, so only long lists (at least MIN_TOPK_TILES_TO_SPLIT tiles) are split, into
+# programs of at least MIN_SPLIT_TILES tiles. Split, with the asynchronous arrival: 58.6, 45.2, 58.2 us.
 MIN_SPLIT_TILES = 2
 MIN_TOPK_TILES_TO_SPLIT = 16
 
