@@ -41,9 +41,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core as jax_core
-from jax._src.pallas.mosaic_gpu import core as gpu_core
-from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -190,28 +187,36 @@ def _gather(kv_ref, slots, dsts):
 # (with ``cp.async.wait_group`` it could signal tile j + 1 only after issuing j + 2, i.e. after both compute
 # warpgroups had released tile j: Q Kᵀ of j + 1 waited for the value warpgroup's P · V of j). Pallas has no such
 # arrival (its barrier refs cannot enter inline Mosaic GPU code), hence this one-instruction primitive.
-_cp_async_arrive_p = jax_core.Primitive("cp_async_arrive")
-_cp_async_arrive_p.multiple_results = True
+@functools.cache
+def _cp_async_arrive_primitive():
+    """The primitive, defined on first use: it rests on Pallas internals (``jax._src``), which importing
+    ``pallas_attn`` must not depend on."""
+    from jax._src import core as jax_core
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
 
+    prim = jax_core.Primitive("cp_async_arrive")
+    prim.multiple_results = True
 
-@_cp_async_arrive_p.def_effectful_abstract_eval
-def _cp_async_arrive_abstract_eval(barriers, index):
-    del barriers, index
-    return (), {gpu_core._memory_effect}
+    @prim.def_effectful_abstract_eval
+    def _abstract_eval(barriers, index):
+        del barriers, index
+        return (), {gpu_core._memory_effect}
 
+    @mgpu_lowering.register_lowering_rule(prim, mgpu.LoweringSemantics.Lane)
+    @mgpu_lowering.register_lowering_rule(prim, mgpu.LoweringSemantics.Warpgroup)
+    def _lowering(ctx, barriers, index):
+        del ctx
+        barrier = barriers[mgpu_lowering._ensure_ir_value(index, jnp.int32)]
+        nvvm.cp_async_mbarrier_arrive(barrier.get_ptr(), noinc=True)
+        return ()
 
-@mgpu_lowering.register_lowering_rule(_cp_async_arrive_p, mgpu.LoweringSemantics.Lane)
-@mgpu_lowering.register_lowering_rule(_cp_async_arrive_p, mgpu.LoweringSemantics.Warpgroup)
-def _cp_async_arrive_lowering(ctx, barriers, index):
-    del ctx
-    barrier = barriers[mgpu_lowering._ensure_ir_value(index, jnp.int32)]
-    nvvm.cp_async_mbarrier_arrive(barrier.get_ptr(), noinc=True)
-    return ()
+    return prim
 
 
 def _arrive_when_landed(barriers, index):
     """Every thread of the warpgroup: arrive on ``barriers[index]`` when its ``cp.async`` copies so far land."""
-    _cp_async_arrive_p.bind(barriers, index)
+    _cp_async_arrive_primitive().bind(barriers, index)
 
 
 def _wait_gathers():
