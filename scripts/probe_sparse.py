@@ -11,7 +11,7 @@ the Mosaic kernel (registers of the score, value and memory warpgroups; value co
 Hostile inputs (unused entries, NaN in unowned pages, padding tokens) are the compiled tests' job
 (``tests/test_sparse.py``; ``scripts/gpu_sparse.sh`` runs them first).
 """
-import dataclasses, importlib.util, json, os, sys
+import dataclasses, importlib.util, json, os, sys, time
 import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, ".")
 from benchmarks import workloads, timing
@@ -79,6 +79,7 @@ for spec in specs():
                    tflops=flops / t.median_s / 1e12, gathered_gbs=gathered / t.median_s / 1e9, input_sets=len(sets))
         rows.append(row)
         print(json.dumps(row), flush=True)
-json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, rows=rows),
+json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, jaxlib=jax.lib.__version__,
+               date=time.strftime("%Y-%m-%d"), rows=rows),
           open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("PROBE_NAME", "sparse_probe") + ".json"),
                "w"), indent=1)
