@@ -35,20 +35,26 @@ def approx_exp2(x):
     return y
 
 
-def softmax_update(m, l, s2, exp2=jnp.exp2):
+def softmax_update(m, l, s2, exp2=jnp.exp2, scale=None):
     """One key tile's softmax bookkeeping, before its ``P @ V``.
 
     Args:
       m, l: ``[M]`` running max (base 2) and sum.
-      s2: ``[M, N]`` float32 scores in base 2, ``-inf`` where masked.
+      s2: ``[M, N]`` float32 scores in base 2, ``-inf`` where masked; with ``scale``, raw scores (``q·k``) that
+        ``scale`` (softmax scale · log2 e, > 0) takes to base 2 here.
+      scale: the row max is then taken on the raw scores and the scale folds into the exponent's multiply-add
+        (``exp2(s · scale - m)``: one FMA an element instead of a multiply and a subtraction). The max is the same
+        number either way: rounding ``s · scale`` is monotonic in ``s``.
 
     Returns:
       ``(m_new, alpha [M], p [M, N] f32, l_new)``: the accumulator is to be scaled by ``alpha`` and ``p @ v`` added.
     """
-    m_new = jnp.maximum(m, jnp.max(s2, axis=1))
+    row_max = jnp.max(s2, axis=1)
+    m_new = jnp.maximum(m, row_max if scale is None else row_max * scale)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet: exponents against 0
     alpha = exp2(m - m_safe)  # [M]; 0 for a row's first visible tile (m = -inf)
-    p = exp2(s2 - m_safe[:, None])  # [M, N]; masked entries are exp2(-inf) = 0
+    exponent = s2 - m_safe[:, None] if scale is None else s2 * scale - m_safe[:, None]
+    p = exp2(exponent)  # [M, N]; masked entries are exp2(-inf) = 0
     return m_new, alpha, p, alpha * l + jnp.sum(p, axis=1)
 
 
