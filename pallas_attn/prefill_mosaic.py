@@ -11,9 +11,12 @@ own instructions from Pallas:
   both (GQA sharing; the group size must be even). The head pairs of one tile launch together and share its K/V
   in L2. The list has a static length (``cdiv(T, 64) + 2 · num_seqs``); unused items exit at once.
 * three warpgroups: two compute warpgroups (one query head each: ``S = Q Kᵀ`` and ``O += P V`` with wgmma, the
-  online softmax in registers, exp2 with the scale folded) and one memory warpgroup that streams K/V tiles through
-  a ring of shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers. Compiled, the compute
-  warpgroups take turns on the tensor cores (FA3's ping-pong: one's softmax runs under the other's matmuls).
+  online softmax in registers, exp2 with the scale folded into its FMA) and one memory warpgroup that streams K
+  and V tiles through a ring of shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers (K and V
+  of a slot refilled apart). Compiled, the schedule is FA3's: the compute warpgroups pass a turn between them
+  (ping-pong), and in its turn a warpgroup issues Q K_jᵀ and P_{j-1} V_{j-1} back to back, then runs step j's
+  softmax under them and the other warpgroup's two matmuls (intra-warpgroup overlap; ``overlap=False``: the plain
+  ping-pong, one matmul a turn). Interpreted, the plain loop without turns.
 * ``cu_seqlens`` is read inside the kernel. Full tiles (■, every key before the tile's first query) run with no
   mask code, diagonal tiles (△) are masked from request-local positions, future tiles (·) are never loaded.
   Non-causal: only the last tile masks keys past the request.
@@ -31,10 +34,11 @@ own instructions from Pallas:
 * LSE (natural log) goes to a buffer ``[work items, Hq, 64]`` (a 64-wide TMA store per tile and head; ∝ T) and
   is gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
-Measured on the H200 (2026-11-30, bf16, Hq 32, Hkv 8, D 128; ``benchmarks/results/…-session4*.json``): P1 495.6
-TFLOP/s (Triton kernel 404.0, cuDNN packed 526.1, JAX's attention_mgpu 502.9 in six dense calls), P2 590.0
-(Triton 459.7, cuDNN 558.9, attention_mgpu 590.6). Triton stays faster for short requests (256 × 128 tokens:
-0.517 vs 0.615 ms) and head_dim 64 (P1: 363.8 vs 351.6 TFLOP/s).
+Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; ``benchmarks/results/…-session8-prefill-10-final.json``
+and the harness run of the same device call, ``…-session8-harness.json``): P1 531.6 TFLOP/s (the ping-pong alone
+498.7, Triton kernel 365.5; cuDNN packed 526.1, JAX's attention_mgpu 500.8 in six dense calls), P2 608.1 (ping-pong
+583.6, Triton 457.0; attention_mgpu 591.0, cuDNN 566.0). Triton was faster for short requests (256 × 128 tokens:
+0.517 vs 0.615 ms) and head_dim 64 (P1: 363.8 vs 351.6 TFLOP/s), measured with the ping-pong (2026-11-30).
 
 Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. Its limits
 (jax 0.11.2): wgmma's A operand must be in shared memory (P goes through a scratch buffer there), pl.run_state
@@ -94,8 +98,9 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
 
 def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *,
             group: int, num_tile_slots: int, block_kv: int, mcs: int, causal: bool, scale2: float,
-            compiled: bool, q_tiled_tma: bool, registers: tuple[int, int]):
-    (q_smem, o_smem, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free), schedule = scoped
+            compiled: bool, q_tiled_tma: bool, registers: tuple[int, int], overlap: bool):
+    (q_smem, o_smem, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free), schedule, turns = \
+        scoped
     pair = lax.axis_index("heads")
     w = lax.axis_index("work")
     wg = lax.axis_index("wg")
@@ -151,10 +156,10 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
         l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        def mask(j, s2):  # request-local positions, in the wgmma register layout
+        def mask(j, s):  # request-local positions, in the wgmma register layout
             rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA) + q0
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA) + j * block_kv
-            return jnp.where((cols <= rows) if causal else (cols < seq_len), s2, -jnp.inf)
+            return jnp.where((cols <= rows) if causal else (cols < seq_len), s, -jnp.inf)
 
         def release(free, j):  # only steps the memory warpgroup refills (it waits for exactly those)
             pl.when(j + mcs < kv_steps)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j, jnp.int32(mcs))]))
@@ -193,13 +198,13 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
                 schedule_turn()  # the other warpgroup's P @ V goes next, while this one's Q Kᵀ finishes
                 return acc_ref[...]
 
-            s2 = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32)) * scale2
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))  # raw scores: scale2 is folded below
             # Release the slot only when the memory warpgroup will refill it (it waits for exactly those steps): a
             # completion nobody waits for would leave the barrier a phase ahead.
             release(k_free, j)
             if masked:
-                s2 = mask(j, s2)
-            m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s2)
+                s = mask(j, s)
+            m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s, scale=scale2)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
             # Keep the softmax ahead of the barriers (as JAX's attention_mgpu does): the scheduler must not sink it
@@ -212,10 +217,73 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
             release(v_free, j)
             return acc, m_i, l_i
 
-        wait_k(jnp.int32(0))
-        pl.when(wg == 1)(schedule_turn)  # warpgroup 1 starts half a step behind warpgroup 0
-        state = softmax.kv_loop((acc, m_i, l_i), 0, full_steps, kv_steps, step)
-        pl.when(wg == 0)(schedule_turn)
+        def overlapped(o_acc, s_acc):
+            """FA3's schedule: intra-warpgroup overlap inside a ping-pong. Step j issues Q K_jᵀ and P_{j-1} V_{j-1}
+            in this warpgroup's turn (a token passed between the two through ``turns``), then runs step j's softmax
+            while P_{j-1} V_{j-1} and the other warpgroup's two matmuls are on the tensor cores."""
+            def turn_wait():
+                plgpu.barrier_wait(turns.at[wg])
+
+            def turn_pass():
+                plgpu.barrier_arrive(turns.at[1 - wg])
+
+            def scores(j):
+                s_acc[...] = plgpu.layout_cast(jnp.zeros((BLOCK_Q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
+                plgpu.wgmma(s_acc, q_smem.at[wg], k_smem.at[lax.rem(j, jnp.int32(mcs))].transpose((1, 0)))
+
+            def softmax_of(j, s, m_i, l_i, masked):
+                release(k_free, j)
+                if masked:
+                    s = mask(j, s)
+                return softmax.softmax_update(m_i, l_i, s, scale=scale2)
+
+            def step(j, carry, masked: bool):
+                p16, m_i, l_i = carry
+                prev = lax.rem(j - 1, jnp.int32(mcs))
+                wait_k(j)
+                turn_wait()
+                scores(j)
+                plgpu.barrier_wait(v_bar.at[prev])
+                plgpu.wgmma(o_acc, p16, v_smem.at[prev])
+                turn_pass()
+                s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # Q K_jᵀ done, P V may still run
+                m_i, alpha, p, l_i = softmax_of(j, s, m_i, l_i, masked)
+                # The softmax ahead of the wait for P V in the PTX (LLVM sank it past the wait). P is converted
+                # after the wait: its bf16 registers are the next P V's operand, and defining a wgmma operand while
+                # a wgmma is in flight makes ptxas serialise every wgmma (C7513). ptxas still puts the wait at the
+                # softmax's start: it hands P_{j-1}'s registers, free in its view once the wgmma is issued, to the
+                # softmax's temporaries (benchmarks/NOTES.md, eighth session).
+                m_i, alpha, p, l_i = lax.optimization_barrier((m_i, alpha, p, l_i))
+                o = plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
+                release(v_free, j - 1)
+                o_acc[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+                return p.astype(dtype), m_i, l_i
+
+            pl.when(wg == 1)(turn_pass)  # warpgroup 0 takes the first turn
+            wait_k(jnp.int32(0))
+            turn_wait()
+            scores(jnp.int32(0))
+            turn_pass()
+            s = plgpu.wgmma_accumulator_load(s_acc, wait_n=0)
+            m0, _, p, l0 = softmax_of(jnp.int32(0), s, m_i, l_i, masked=True)  # a full tile's mask is all true
+            o_acc[...] = acc
+            p16, m_n, l_n = softmax.kv_loop((p.astype(dtype), m0, l0), 1, jnp.maximum(full_steps, 1), kv_steps,
+                                            step)
+            last = lax.rem(kv_steps - 1, jnp.int32(mcs))
+            turn_wait()
+            plgpu.barrier_wait(v_bar.at[last])
+            plgpu.wgmma(o_acc, p16, v_smem.at[last])
+            pl.when(wg == 0)(turn_pass)  # warpgroup 1's last pass would have no taker (it passed first)
+            return plgpu.wgmma_accumulator_load(o_acc, wait_n=0), m_n, l_n
+
+        if compiled and overlap:
+            state = pl.run_scoped(overlapped, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32),
+                                  plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+        else:
+            wait_k(jnp.int32(0))
+            pl.when(wg == 1)(schedule_turn)  # warpgroup 1 starts half a step behind warpgroup 0
+            state = softmax.kv_loop((acc, m_i, l_i), 0, full_steps, kv_steps, step)
+            pl.when(wg == 0)(schedule_turn)
         out, lse = softmax.finalize(state)
         o_smem.at[wg][...] = out.astype(dtype)
         if lse_ref is not None:
@@ -241,9 +309,13 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
         @pl.loop(0, jnp.maximum(kv_steps - mcs, 0))
         def _refill(step):
             slot = lax.rem(step, jnp.int32(mcs))
-            plgpu.barrier_wait(k_free.at[slot])  # both compute warpgroups are done with the slot's K ...
-            plgpu.barrier_wait(v_free.at[slot])  # ... and V
-            load(step + mcs, slot)
+            rows = (pl.ds(kv_row0 + (step + mcs) * block_kv, block_kv), kv_head)
+            # K and V of a slot are refilled apart: both compute warpgroups release K a matmul before V (a step
+            # before it in the overlapped schedule, whose V is only released after the next Q Kᵀ)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
     @pl.when(jnp.logical_not(is_tile) & (wg < COMPUTE_WGS))
     def _zero_padding():  # rows past cu_seqlens[-1]: PAD_ROWS_PER_SLOT of them per program, this warpgroup's head
@@ -284,12 +356,13 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool, tiles_per_seq: int):
 
 def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
                             interpret: bool, block_kv: int = BLOCK_KV, max_concurrent_steps: int = 2,
-                            registers: tuple[int, int] = (232, 40)):
+                            registers: tuple[int, int] = (232, 40), overlap: bool = True):
     """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`.
 
-    ``block_kv`` (keys per K/V slot), ``max_concurrent_steps`` (slots) and ``registers`` (per thread: compute,
+    ``block_kv`` (keys per K/V slot), ``max_concurrent_steps`` (slots), ``registers`` (per thread: compute,
     memory warpgroup; 2 · compute + memory ≤ 504 = 3 × 168, the launch's share, or the compute warpgroups' increase
-    never returns) are tuning knobs for the probe, not public API."""
+    never returns) and ``overlap`` (compiled schedule: FA3's intra-warpgroup overlap, or the plain ping-pong) are
+    tuning knobs for the probe, not public API."""
     reason = supported(q, k)
     if reason is not None:
         raise ValueError(f"the Mosaic prefill does not support {reason}")
@@ -327,11 +400,12 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
          plgpu.Barrier(num_barriers=max_concurrent_steps)),
         (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_concurrent_steps),) * 2,
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS),  # the overlapped schedule's turn tokens
     )
     body = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, num_tile_slots=num_tile_slots, block_kv=block_kv,
         mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E, compiled=not interpret,
-        q_tiled_tma=num_tokens % ROW_ALIGN == 0, registers=registers)
+        q_tiled_tma=num_tokens % ROW_ALIGN == 0, registers=registers, overlap=overlap)
 
     def entry(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
         pl.run_scoped(lambda *s: body(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_ref, o_ref,
