@@ -36,20 +36,34 @@ WORKLOADS = {"P1": (P1, 128, True), "P2": ([32768], 128, True),
              "noncausal-4x8192": ([8192] * 4, 128, False)}
 
 
-VARIANTS = [v for v in os.environ.get("VARIANTS", "").split(",") if v]  # Mosaic tuning variants on P1/P2
+# Mosaic tuning variants on P1/P2, e.g. VARIANTS="ovl=0,regs=240/24+bkv=128": the kernel's knobs, "+"-joined
+VARIANTS = [v for v in os.environ.get("VARIANTS", "").split(",") if v]
+KNOBS = {"bkv": "block_kv", "mcs": "max_concurrent_steps", "regs": "registers", "ovl": "overlap"}
 
 
-def timeit(f, *args, reps=7, inner=10):
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
-    ts = []
+def knobs(variant: str) -> dict:
+    kw = {}
+    for item in variant.split("+"):
+        key, value = item.split("=")
+        kw[KNOBS[key]] = tuple(int(x) for x in value.split("/")) if key == "regs" else int(value)
+    return kw
+
+
+def timeit(fs, *args, reps=7, inner=10):
+    """Median seconds a call of each of ``fs``, timed in interleaved rounds: clocks drift with the GPU's power and
+    temperature within a run, and a variant timed after another must not inherit a different clock."""
+    for f in fs:
+        for _ in range(2):
+            jax.block_until_ready(f(*args))
+    ts = [[] for _ in fs]
     for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            r = f(*args)
-        jax.block_until_ready(r)
-        ts.append((time.perf_counter() - t) / inner)
-    return float(np.median(ts))
+        for f, t_f in zip(fs, ts):
+            t = time.perf_counter()
+            for _ in range(inner):
+                r = f(*args)
+            jax.block_until_ready(r)
+            t_f.append((time.perf_counter() - t) / inner)
+    return [float(np.median(t_f)) for t_f in ts]
 
 
 def main() -> int:
@@ -76,25 +90,25 @@ def main() -> int:
             rows.append(dict(workload=name, impl="mosaic", error=f"{type(e).__name__}: {str(e)[:500]}"))
             continue
         impls = [("triton", triton), ("mosaic", mosaic)]
-        for variant in (VARIANTS if name in ("P1", "P2") else []):  # block_kv:slots[:compute_regs:memory_regs]
-            bkv, mcs, *regs = (int(x) for x in variant.split(":"))
+        errs = {"triton": 0.0, "mosaic": err}
+        for variant in (VARIANTS if name in ("P1", "P2") else []):
             f = jax.jit(functools.partial(
                 lambda q, k, v, cu, **kw: prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, **kw)[0],
                 max_seqlen=max(lens), causal=causal, scale=d ** -0.5, return_lse=False, interpret=False,
-                block_kv=bkv, max_concurrent_steps=mcs, registers=tuple(regs) if regs else (232, 40)))
+                **knobs(variant)))
             try:
                 e = float(relative_l2(f(q, k, v, cu), ref))
                 print(f"{name} mosaic/{variant} rel L2 vs triton {e:.2e}", flush=True)
                 impls.append((f"mosaic/{variant}", f))
+                errs[f"mosaic/{variant}"] = e
             except Exception as ex:
                 print(f"{name} mosaic/{variant} FAILED: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
-        for impl, f in impls:
-            s = timeit(f, q, k, v, cu)
+        for (impl, f), s in zip(impls, timeit([f for _, f in impls], q, k, v, cu)):
             rows.append(dict(workload=name, impl=impl, head_dim=d, causal=causal, num_seqs=len(lens), tokens=t,
                              median_ms=s * 1e3, tflops=flops / s / 1e12,
-                             rel_l2_vs_triton=err if impl == "mosaic" else None))
-            print(f"{name} {impl:7s} {s * 1e3:8.3f} ms {flops / s / 1e12:7.1f} TFLOP/s  rel L2 vs triton {err:.2e}",
-                  flush=True)
+                             rel_l2_vs_triton=errs[impl]))
+            print(f"{name} {impl:7s} {s * 1e3:8.3f} ms {flops / s / 1e12:7.1f} TFLOP/s  "
+                  f"rel L2 vs triton {errs[impl]:.2e}", flush=True)
     out_dir = os.environ.get("OUT", "/tmp")
     pathlib.Path(out_dir, "mosaic_probe.json").write_text(json.dumps(dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),

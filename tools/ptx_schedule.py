@@ -1,0 +1,65 @@
+"""Where ptxas puts a Mosaic GPU kernel's wgmma waits, from a PTX dumped on the device, on a CPU-only machine.
+
+The Mosaic GPU pipeline (MLIR → LLVM → PTX) runs inside the CUDA plugin, so the PTX comes from the device
+(``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=dir``, e.g. with ``scripts/ncu_prefill.py``); ptxas and cuobjdump come
+from the ``triton`` wheel (ptxas 12.9 as ``ptxas-blackwell``: the device's PTX says ``.version 9.0``, rewritten to
+8.8 here). Prints ptxas's performance warnings (C7513: wgmma serialised), registers and spills, and for every
+``wait_group 1`` (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) how many MUFU.EX2 instructions run before the next full wait:
+in an intra-warpgroup overlap the softmax's exp2s belong there, under the in-flight P · V. Costs no device time.
+
+    pip install triton==3.6.0
+    python tools/ptx_schedule.py entry_0.ptx [--sass out.sass]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+
+def _bin(name: str) -> str:
+    import triton
+
+    return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ptx", type=pathlib.Path)
+    ap.add_argument("--sass", type=pathlib.Path, default=None, help="also write the SASS here")
+    args = ap.parse_args(argv)
+    ptx = args.ptx.read_text().replace(".version 9.0", ".version 8.8", 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = pathlib.Path(tmp, "k.ptx"), pathlib.Path(tmp, "k.cubin")
+        src.write_text(ptx)
+        log = subprocess.run([_bin("ptxas-blackwell"), "-arch=sm_90a", "-O3", "-v", str(src), "-o", str(cubin)],
+                             capture_output=True, text=True)
+        if log.returncode:
+            print(log.stderr, file=sys.stderr)
+            return 1
+        sass = subprocess.run([_bin("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    for line in log.stderr.splitlines():
+        if re.search(r"C7\d\d\d|registers|spill", line):
+            print(line.strip())
+    if args.sass:
+        args.sass.write_text(sass)
+    lines = sass.splitlines()
+    for i, line in enumerate(lines):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in line:
+            continue
+        exp2 = 0
+        for later in lines[i + 1:]:
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in later:
+                break
+            exp2 += "MUFU.EX2" in later
+        print(f"{line.split('*/')[0].strip()}*/ wait_group 1: {exp2} MUFU.EX2 before the next full wait")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
