@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import paged_decode_attention, varlen_attention
+from pallas_attn import paged_decode_attention, softmax, varlen_attention
 from pallas_attn.testing import relative_l2
 
 
@@ -83,3 +83,25 @@ def test_no_nan_from_empty_rows_splits_and_tiles():
     out, lse = np.asarray(out), np.asarray(lse)
     assert np.isfinite(out).all() and np.all(out[2] == 0)
     assert np.all(lse[2] == -np.inf) and np.isfinite(lse[:2]).all()
+
+
+@pytest.mark.parametrize("scale", [0.088 * 1.4427, 1.0 / 3.0, 7.5])
+def test_softmax_update_with_folded_scale_matches_prescaled(scale):
+    """``softmax_update(..., scale=c)`` on raw scores (the Mosaic prefill's form: the row max on raw scores, the scale
+    in the exponent's FMA) against the same update on pre-scaled scores: the running max bit for bit, the rest to
+    float32 rounding; masked entries and a fully masked row (first tile: m = -inf) give p = 0, never NaN."""
+    rng = np.random.default_rng(0)
+    s = rng.normal(0, 4, (8, 32)).astype(np.float32)
+    s[2, 5:] = -np.inf  # a diagonal tile's mask
+    s[5] = -np.inf  # a row that sees no key of this tile
+    m = np.where(np.arange(8) % 3 == 0, -np.inf, rng.normal(0, 2, 8)).astype(np.float32)  # some rows' first tile
+    m[5] = -np.inf
+    l = np.where(m == -np.inf, 0.0, rng.uniform(1, 5, 8)).astype(np.float32)
+    folded = softmax.softmax_update(jnp.asarray(m), jnp.asarray(l), jnp.asarray(s), scale=scale)
+    prescaled = softmax.softmax_update(jnp.asarray(m), jnp.asarray(l), jnp.asarray(s * np.float32(scale)))
+    np.testing.assert_array_equal(np.asarray(folded[0]), np.asarray(prescaled[0]))  # m_new
+    for got, want in zip(folded[1:], prescaled[1:]):  # alpha, p, l_new
+        got, want = np.asarray(got), np.asarray(want)
+        assert not np.isnan(got).any()
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
+    assert np.all(np.asarray(folded[2])[5] == 0) and np.asarray(folded[3])[5] == 0
