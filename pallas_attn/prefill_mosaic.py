@@ -298,9 +298,12 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
     def _memory():
         plgpu.set_max_registers(registers[1], action="decrease")
 
-        def load(step, slot):
+        def load(step, slot, k_ready=lambda: None, v_ready=lambda: None):
+            """K/V tile ``step`` into ``slot``; K and V each after its own release (a refill)."""
             rows = (pl.ds(kv_row0 + step * block_kv, block_kv), kv_head)
+            k_ready()
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+            v_ready()
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
         for i in range(mcs):
@@ -309,13 +312,10 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
         @pl.loop(0, jnp.maximum(kv_steps - mcs, 0))
         def _refill(step):
             slot = lax.rem(step, jnp.int32(mcs))
-            rows = (pl.ds(kv_row0 + (step + mcs) * block_kv, block_kv), kv_head)
             # K and V of a slot are refilled apart: both compute warpgroups release K a matmul before V (a step
             # before it in the overlapped schedule, whose V is only released after the next Q Kᵀ)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+            load(step + mcs, slot, k_ready=lambda: plgpu.barrier_wait(k_free.at[slot]),
+                 v_ready=lambda: plgpu.barrier_wait(v_free.at[slot]))
 
     @pl.when(jnp.logical_not(is_tile) & (wg < COMPUTE_WGS))
     def _zero_padding():  # rows past cu_seqlens[-1]: PAD_ROWS_PER_SLOT of them per program, this warpgroup's head
