@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.pallas.triton import gpu_info, lowering
 from jax._src.pallas.triton import pallas_call_registration as registration
+from ptx_schedule import triton_bin  # tools/ (this script's directory) is on sys.path
 
 _H200 = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name="sm_90", compute_capability=90)
 registration.gpu_info_lib.get_gpu_info = lambda: _H200  # lower for an H200 without one
@@ -61,8 +62,8 @@ def report(fn, args, *, num_warps: int, num_stages: int, label: str, launches=No
                                       options=dict(num_warps=warps, num_stages=stages))
             cubin = os.path.join(tmp, "kernel.cubin")
             open(cubin, "wb").write(compiled.asm["cubin"])
-            tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-            usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
+            usage = subprocess.run([triton_bin("cuobjdump"), "-res-usage", cubin], capture_output=True,
+                                   text=True).stdout
         regs, stack = re.search(r"REG:(\d+).*?STACK:(\d+)", usage).groups()
         row = dict(label=f"{label}[{i}]", regs=int(regs), spill_stack=int(stack), smem=compiled.metadata.shared,
                    wgmma="wgmma" in compiled.asm["ptx"])

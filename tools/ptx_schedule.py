@@ -21,7 +21,8 @@ import sys
 import tempfile
 
 
-def _bin(name: str) -> str:
+def triton_bin(name: str) -> str:
+    """Path of a CUDA tool bundled in the triton wheel (ptxas, ptxas-blackwell, cuobjdump, nvdisasm)."""
     import triton
 
     return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
@@ -36,12 +37,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = pathlib.Path(tmp, "k.ptx"), pathlib.Path(tmp, "k.cubin")
         src.write_text(ptx)
-        log = subprocess.run([_bin("ptxas-blackwell"), "-arch=sm_90a", "-O3", "-v", str(src), "-o", str(cubin)],
+        log = subprocess.run([triton_bin("ptxas-blackwell"), "-arch=sm_90a", "-O3", "-v", str(src), "-o", str(cubin)],
                              capture_output=True, text=True)
         if log.returncode:
             print(log.stderr, file=sys.stderr)
             return 1
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+        sass = subprocess.run([triton_bin("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
     for line in log.stderr.splitlines():
         if re.search(r"C7\d\d\d|registers|spill", line):
