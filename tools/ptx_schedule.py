@@ -1,14 +1,15 @@
 """Where ptxas puts a Mosaic GPU kernel's wgmma waits, from a PTX dumped on the device, on a CPU-only machine.
 
 The Mosaic GPU pipeline (MLIR → LLVM → PTX) runs inside the CUDA plugin, so the PTX comes from the device
-(``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=dir``, e.g. with ``scripts/ncu_prefill.py``); ptxas and cuobjdump come
-from the ``triton`` wheel (ptxas 12.9 as ``ptxas-blackwell``: the device's PTX says ``.version 9.0``, rewritten to
-8.8 here). Prints ptxas's performance warnings (C7513: wgmma serialised), registers and spills, and for every
+(``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=dir``, e.g. with ``scripts/ncu_prefill.py``). The SASS must come from
+the device's own ptxas: the H200 image compiles with CUDA 13.0 (jax-cuda13-plugin), and ``--ptxas`` defaults to
+``/usr/local/cuda-13.0/bin/ptxas`` where this machine has it (the same build, V13.0.88: its SASS matched ncu's
+source view on the device, instruction for instruction, where the ptxas 12.9 of the ``triton`` wheel put the waits
+elsewhere). Prints ptxas's performance warnings (C7513: wgmma serialised), registers and spills, and for every
 ``wait_group 1`` (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) how many MUFU.EX2 instructions run before the next full wait:
 in an intra-warpgroup overlap the softmax's exp2s belong there, under the in-flight P · V. Costs no device time.
 
-    pip install triton==3.6.0
-    python tools/ptx_schedule.py entry_0.ptx [--sass out.sass]
+    python tools/ptx_schedule.py entry_0.ptx [--sass out.sass] [--ptxas PATH]
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import re
 import subprocess
 import sys
 import tempfile
+
+
+DEVICE_PTXAS = "/usr/local/cuda-13.0/bin/ptxas"
 
 
 def triton_bin(name: str) -> str:
@@ -32,12 +36,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("ptx", type=pathlib.Path)
     ap.add_argument("--sass", type=pathlib.Path, default=None, help="also write the SASS here")
+    ap.add_argument("--ptxas", default=DEVICE_PTXAS if pathlib.Path(DEVICE_PTXAS).exists() else None,
+                    help="ptxas to run (default: CUDA 13.0's, the device's; else the triton wheel's 12.9)")
     args = ap.parse_args(argv)
-    ptx = args.ptx.read_text().replace(".version 9.0", ".version 8.8", 1)
+    ptx = args.ptx.read_text()
+    ptxas = args.ptxas
+    if ptxas is None:  # ptxas 12.9 reads PTX ISA 8.8 at most: the device writes 9.0
+        print("warning: CUDA 13.0's ptxas not found; ptxas 12.9 places the waits differently", file=sys.stderr)
+        ptx, ptxas = ptx.replace(".version 9.0", ".version 8.8", 1), triton_bin("ptxas-blackwell")
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = pathlib.Path(tmp, "k.ptx"), pathlib.Path(tmp, "k.cubin")
         src.write_text(ptx)
-        log = subprocess.run([triton_bin("ptxas-blackwell"), "-arch=sm_90a", "-O3", "-v", str(src), "-o", str(cubin)],
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-O3", "-v", str(src), "-o", str(cubin)],
                              capture_output=True, text=True)
         if log.returncode:
             print(log.stderr, file=sys.stderr)
