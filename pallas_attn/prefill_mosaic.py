@@ -34,11 +34,12 @@ own instructions from Pallas:
 * LSE (natural log) goes to a buffer ``[work items, Hq, 64]`` (a 64-wide TMA store per tile and head; ∝ T) and
   is gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
-Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; ``benchmarks/results/…-session8-prefill-10-final.json``
-and the harness run of the same device call, ``…-session8-harness.json``): P1 531.6 TFLOP/s (the ping-pong alone
-498.7, Triton kernel 365.5; cuDNN packed 526.1, JAX's attention_mgpu 500.8 in six dense calls), P2 608.1 (ping-pong
-583.6, Triton 457.0; attention_mgpu 591.0, cuDNN 566.0). Triton was faster for short requests (256 × 128 tokens:
-0.517 vs 0.615 ms) and head_dim 64 (P1: 363.8 vs 351.6 TFLOP/s), measured with the ping-pong (2026-11-30).
+Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; the ninth session's harness run,
+``benchmarks/results/…-session9-harness.json``): P1 510.7 TFLOP/s (Triton kernel 405.7, cuDNN packed 525.9,
+JAX's attention_mgpu 502.7 in six dense calls), P2 614.0 (Triton 462.6, attention_mgpu 589.3, cuDNN 566.6); a
+probe earlier in the same call gave 538.8 / 627.8. The board is at its 700 W power cap on P2 (1,680–1,695 MHz of
+1,980). Triton is faster for short requests (256 × 128 tokens: 0.504 vs 0.841 ms) and head_dim 64 (P1: 364.3 vs
+350.6 TFLOP/s), which the default rule leaves to it.
 
 Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. Its limits
 (jax 0.11.2): wgmma's A operand must be in shared memory (P goes through a scratch buffer there), pl.run_state
@@ -250,9 +251,10 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
                 m_i, alpha, p, l_i = softmax_of(j, s, m_i, l_i, masked)
                 # The softmax ahead of the wait for P V in the PTX (LLVM sank it past the wait). P is converted
                 # after the wait: its bf16 registers are the next P V's operand, and defining a wgmma operand while
-                # a wgmma is in flight makes ptxas serialise every wgmma (C7513). ptxas still puts the wait at the
-                # softmax's start: it hands P_{j-1}'s registers, free in its view once the wgmma is issued, to the
-                # softmax's temporaries (benchmarks/NOTES.md, eighth session).
+                # a wgmma is in flight makes ptxas serialise every wgmma (C7513). ptxas (CUDA 13.0) still puts the
+                # wait at the softmax's start: it gives P_{j-1}'s registers to the softmax's temporaries, and it
+                # waits for every wgmma before the scores are overwritten in place. Keeping both out of its way
+                # measured slower (benchmarks/NOTES.md, eighth and ninth sessions).
                 m_i, alpha, p, l_i = lax.optimization_barrier((m_i, alpha, p, l_i))
                 o = plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
                 release(v_free, j - 1)
