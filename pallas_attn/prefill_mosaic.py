@@ -168,6 +168,15 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
         def wait_k(j):
             pl.when(j < kv_steps)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(j, jnp.int32(mcs))]))
 
+        def softmax_of(j, s, m_i, l_i, masked):
+            """Step j's softmax on its raw scores ``s`` (scale2 folded into the exponent), K's slot released first."""
+            # Release the slot only when the memory warpgroup will refill it (it waits for exactly those steps): a
+            # completion nobody waits for would leave the barrier a phase ahead.
+            release(k_free, j)
+            if masked:
+                s = mask(j, s)
+            return softmax.softmax_update(m_i, l_i, s, scale=scale2)
+
         def pv_dot(j, p16, acc):
             """``acc + P @ V``, waiting for the next K tile while the wgmma runs."""
             v_slot = v_smem.at[lax.rem(j, jnp.int32(mcs))]
@@ -199,13 +208,8 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
                 schedule_turn()  # the other warpgroup's P @ V goes next, while this one's Q Kᵀ finishes
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))  # raw scores: scale2 is folded below
-            # Release the slot only when the memory warpgroup will refill it (it waits for exactly those steps): a
-            # completion nobody waits for would leave the barrier a phase ahead.
-            release(k_free, j)
-            if masked:
-                s = mask(j, s)
-            m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s, scale=scale2)
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+            m_i, alpha, p, l_i = softmax_of(j, s, m_i, l_i, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
             # Keep the softmax ahead of the barriers (as JAX's attention_mgpu does): the scheduler must not sink it
@@ -231,12 +235,6 @@ def _kernel(cu_ref, kv_tiles_ref, work_req_ref, work_tile_ref, q_ref, k_ref, v_r
             def scores(j):
                 s_acc[...] = plgpu.layout_cast(jnp.zeros((BLOCK_Q, block_kv), jnp.float32), plgpu.Layout.WGMMA)
                 plgpu.wgmma(s_acc, q_smem.at[wg], k_smem.at[lax.rem(j, jnp.int32(mcs))].transpose((1, 0)))
-
-            def softmax_of(j, s, m_i, l_i, masked):
-                release(k_free, j)
-                if masked:
-                    s = mask(j, s)
-                return softmax.softmax_update(m_i, l_i, s, scale=scale2)
 
             def step(j, carry, masked: bool):
                 p16, m_i, l_i = carry
