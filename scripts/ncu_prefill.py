@@ -11,18 +11,15 @@ import pathlib
 import sys
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from pallas_attn import prefill_mosaic  # noqa: E402
-from probe_prefill_mosaic import knobs  # noqa: E402
+from probe_prefill_mosaic import inputs, knobs  # noqa: E402
 
 n = int(sys.argv[1])
 kw = knobs(sys.argv[2]) if len(sys.argv) > 2 else {}
-key = jax.random.key(0)
-q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (n, h, 128), jnp.bfloat16) for i, h in enumerate((32, 8, 8)))
-cu = jnp.asarray([0, n], jnp.int32)
+q, k, v, cu, _ = inputs([n], 128, causal=True)
 fn = jax.jit(functools.partial(prefill_mosaic.varlen_attention_mosaic, max_seqlen=n, causal=True, scale=128 ** -0.5,
                                return_lse=False, interpret=False, **kw))
 for _ in range(2):

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from pallas_attn import prefill_mosaic, varlen_attention  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from probe_prefill_mosaic import VARIANTS, knobs  # noqa: E402
+from probe_prefill_mosaic import VARIANTS, WORKLOADS, inputs, knobs  # noqa: E402
 
 FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -55,11 +55,8 @@ def main() -> int:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 8.0
     key = jax.random.key(0)
     a, b = (jax.random.normal(jax.random.fold_in(key, i), (8192, 8192), jnp.bfloat16) for i in range(2))
-    n = 32768
-    q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (n, h, 128), jnp.bfloat16)
-               for i, h in enumerate((32, 8, 8)))
-    cu = jnp.asarray([0, n], jnp.int32)
-    p2_flops = 4 * (n * (n + 1) / 2) * 128 * 32
+    q, k, v, cu, p2_flops = inputs(*WORKLOADS["P2"])
+    n = q.shape[0]
     kernels = {
         "matmul_8192": (jax.jit(lambda a, b: a @ b), (a, b), 2 * 8192 ** 3),
         "P2_mosaic": (jax.jit(lambda *x: varlen_attention(*x, max_seqlen=n, backend="mosaic")), (q, k, v, cu),

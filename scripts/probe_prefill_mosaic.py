@@ -49,6 +49,17 @@ def knobs(variant: str) -> dict:
     return kw
 
 
+def inputs(lens, d: int, causal: bool, hq: int = 32, hkv: int = 8):
+    """``(q, k, v, cu_seqlens, useful flops)`` of a packed batch of ``lens`` (bf16, normal, key 0)."""
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    t = int(sum(lens))
+    key = jax.random.key(0)
+    q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (t, h, d), jnp.bfloat16)
+               for i, h in enumerate((hq, hkv, hkv)))
+    flops = sum(4 * (n * (n + 1) / 2 if causal else n * n) * d * hq for n in lens)
+    return q, k, v, cu, flops
+
+
 def timeit(fs, *args, reps=7, inner=10):
     """Median seconds a call of each of ``fs``, timed in interleaved rounds: clocks drift with the GPU's power and
     temperature within a run, and a variant timed after another must not inherit a different clock."""
@@ -68,16 +79,11 @@ def timeit(fs, *args, reps=7, inner=10):
 
 def main() -> int:
     which = sys.argv[1].split(",") if len(sys.argv) > 1 else list(WORKLOADS)
-    hq, hkv = 32, 8
     rows = []
     for name in which:
         lens, d, causal = WORKLOADS[name]
-        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+        q, k, v, cu, flops = inputs(lens, d, causal)
         t = int(sum(lens))
-        key = jax.random.key(0)
-        q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (t, h, d), jnp.bfloat16)
-                   for i, h in enumerate((hq, hkv, hkv)))
-        flops = sum(4 * (n * (n + 1) / 2 if causal else n * n) * d * hq for n in lens)
         triton = jax.jit(lambda q, k, v, cu: varlen_attention(q, k, v, cu, max_seqlen=max(lens), causal=causal,
                                                               backend="triton"))
         mosaic = jax.jit(lambda q, k, v, cu: varlen_attention(q, k, v, cu, max_seqlen=max(lens), causal=causal,
