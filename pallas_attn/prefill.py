@@ -176,12 +176,13 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
 
 
 BACKENDS = backend_lib.BACKENDS
-# The default on sm_90 (measured on the H200, benchmarks/NOTES.md): the Mosaic kernel from this max_seqlen on at
-# head_dim 128; the Triton kernel for short requests (a 64-row tile with one or two K/V steps is latency, where
-# Triton's several programs per SM win) and head_dim 64. Re-timed with the overlapped schedule (ninth session):
-# Triton still wins at 64 x 512 tokens (0.672 vs 0.703 ms) and head_dim 64; Mosaic wins every workload from 1024 on.
-MOSAIC_MIN_SEQLEN = 1024
-MOSAIC_HEAD_DIMS = (128,)
+# The default on sm_90 (measured on the H200, benchmarks/NOTES.md): the Mosaic kernel from this max_seqlen on, per
+# head_dim; the Triton kernel for shorter requests (a 64-row tile with one or two K/V steps is latency, where
+# Triton's several programs per SM win). Re-timed with three compute warpgroups (tenth session). Head dim 128:
+# Triton wins 256 x 128 tokens (0.513 vs 0.810 ms) and 128 x 256 (0.537 vs 0.601), Mosaic 64 x 512 (0.637 vs
+# 0.685) and every workload from 1024 on. Head dim 64 (half the matmul per softmax): Triton wins 64 x 512 (0.315
+# vs 0.460 ms) and 32 x 1024 (0.485 vs 0.583), Mosaic P1 (max 8192: 398.7 vs 365.0 TFLOP/s).
+MOSAIC_MIN_SEQLEN = {128: 512, 64: 8192}
 
 
 def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
@@ -189,7 +190,7 @@ def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
     faster, else "triton"."""
     if interpret or not backend_lib.is_hopper() or prefill_mosaic.supported(q, k) is not None:
         return "triton"
-    return "mosaic" if q.shape[-1] in MOSAIC_HEAD_DIMS and max_seqlen >= MOSAIC_MIN_SEQLEN else "triton"
+    return "mosaic" if max_seqlen >= MOSAIC_MIN_SEQLEN.get(q.shape[-1], max_seqlen + 1) else "triton"
 
 
 @functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "return_lse", "interpret",
@@ -214,9 +215,9 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       config: block sizes / warps / stages (:class:`pallas_attn.config.PrefillConfig`); None → tuned default.
         Triton backend only.
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.prefill_mosaic` (wgmma, TMA, warp
-        specialisation; bf16/fp16, head_dim 64 or 128, even GQA groups — anything else raises; interpreted on CPU
-        by the Mosaic GPU interpreter). None: :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it
-        applies and was measured faster (head_dim 128, ``max_seqlen >= MOSAIC_MIN_SEQLEN``), else Triton.
+        specialisation; bf16/fp16, head_dim 64 or 128 — anything else raises; interpreted on CPU by the Mosaic
+        GPU interpreter). None: :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it applies and was
+        measured faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]``), else Triton.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked).

@@ -1,6 +1,6 @@
 """Run pallas_attn/prefill_mosaic.py against the reference: interpreted on a CPU, compiled on an H200.
 
-    python scripts/check_prefill_mosaic.py 64,70,1,0 [--causal 0|1] [--hq 4 --hkv 2 --d 128]
+    python scripts/check_prefill_mosaic.py 64,70,1,0 [--causal 0|1] [--hq 4 --hkv 2 --d 128] [--wgs 3]
 
 Prints the relative L2 error of the output (and LSE) for the packed batch of the given request lengths. On the
 CPU a watchdog dumps the threads and exits after --timeout seconds (the interpreter sometimes blocks; see the
@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--hq", type=int, default=2)
     ap.add_argument("--hkv", type=int, default=1)
     ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--wgs", type=int, default=prefill_mosaic.COMPUTE_WGS, help="compute warpgroups (2 or 3)")
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
     interpret = jax.default_backend() == "cpu"
@@ -46,7 +47,8 @@ def main() -> int:
     v, _ = random_packed(rng, lens, args.hkv, args.d, jnp.bfloat16, pad_to=pad_to)
     t = time.time()
     out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=bool(args.causal),
-                                                   scale=args.d ** -0.5, return_lse=True, interpret=interpret)
+                                                   scale=args.d ** -0.5, return_lse=True, interpret=interpret,
+                                                   compute_wgs=args.wgs)
     ref, ref_lse = reference.varlen_attention(q, k, v, cu, causal=bool(args.causal), return_lse=True)
     n = int(cu[-1])
     out = np.asarray(out, np.float32)

@@ -19,12 +19,16 @@ from hypothesis import strategies as st
 from pallas_attn import PrefillConfig, reference, varlen_attention
 from pallas_attn.testing import assert_attention_close, random_packed
 
-# name: (lens, num_q_heads, num_kv_heads, head_dim, causal, dtype); query tiles are 64 rows, K/V tiles 128.
+# name: (lens, num_q_heads, num_kv_heads, head_dim, causal, dtype); query tiles are 64 rows, K/V tiles 128. A
+# program takes three (tile, head) items of one request and KV head: with groups 1, 2, 4 and 8 its items span two
+# tiles (one K/V step apart when causal), and a request's last program may be part-filled.
 SCENARIOS = {
     "edges_gqa2": ([0, 1, 63, 64, 65], 4, 2, 64, True, jnp.bfloat16),
     "long_gqa4_d128": ([130, 1, 200], 8, 2, 128, True, jnp.bfloat16),
     "noncausal_mqa2": ([200, 3], 2, 1, 64, False, jnp.bfloat16),
     "fp16_gqa8": ([127, 129], 8, 1, 64, True, jnp.float16),
+    "gqa3_d128": ([65, 192, 2], 6, 2, 128, True, jnp.bfloat16),
+    "mha_group1": ([257, 64, 9], 2, 2, 64, True, jnp.bfloat16),
 }
 
 
@@ -96,7 +100,7 @@ def test_isolation_under_nan(rng, pad):
 @pytest.mark.parametrize("kw, shapes, match", [
     (dict(), ((8, 4, 64), (8, 2, 64), jnp.float32), "dtype float32"),
     (dict(), ((8, 4, 96), (8, 2, 96), jnp.bfloat16), "head_dim 96"),
-    (dict(), ((8, 3, 64), (8, 1, 64), jnp.bfloat16), "GQA group 3"),
+    (dict(), ((8, 4, 256), (8, 2, 256), jnp.bfloat16), "head_dim 256"),
     (dict(backend="cuda"), ((8, 4, 64), (8, 2, 64), jnp.bfloat16), "backend must be one of"),
 ])
 def test_unsupported_inputs_raise(kw, shapes, match):
@@ -132,8 +136,10 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens):
 @pytest.mark.parametrize("hopper, interpret, dtype, head_dim, max_seqlen, expected", [
     (True, False, jnp.bfloat16, 128, 1024, "mosaic"),
     (True, False, jnp.float16, 128, 32768, "mosaic"),
-    (True, False, jnp.bfloat16, 128, 512, "triton"),  # short requests: Triton measured faster
-    (True, False, jnp.bfloat16, 64, 8192, "triton"),  # head_dim 64: Triton measured faster
+    (True, False, jnp.bfloat16, 128, 512, "mosaic"),  # 64 x 512 tokens: Mosaic measured faster
+    (True, False, jnp.bfloat16, 128, 256, "triton"),  # short requests: Triton measured faster
+    (True, False, jnp.bfloat16, 64, 8192, "mosaic"),  # P1 at head_dim 64: Mosaic measured faster
+    (True, False, jnp.bfloat16, 64, 1024, "triton"),  # head_dim 64, 32 x 1024 tokens: Triton measured faster
     (True, False, jnp.float32, 128, 8192, "triton"),  # the Mosaic kernel is bf16/fp16 only
     (True, True, jnp.bfloat16, 128, 8192, "triton"),  # interpret mode
     (False, False, jnp.bfloat16, 128, 8192, "triton"),  # not sm_90
@@ -148,25 +154,48 @@ def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, m
 
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=12), extra=st.integers(0, 40),
-       causal=st.booleans())
-def test_work_list_covers_every_tile_once(lens, extra, causal):
-    """The static work list holds every (request, tile) exactly once, heaviest first, unused slots last (-1), and
-    ``slot`` inverts the order (the LSE gather relies on it)."""
-    from pallas_attn.prefill_mosaic import BLOCK_Q, ROW_ALIGN, _work_list
+       causal=st.booleans(), group=st.sampled_from([1, 2, 3, 4, 8]), compute_wgs=st.sampled_from([2, 3]))
+def test_work_list_covers_every_item_once(lens, extra, causal, group, compute_wgs):
+    """The static work list holds every (request, tile, head) item exactly once, in programs of ``compute_wgs``
+    consecutive items of one request, heaviest program first, unused slots last (-1); ``slot`` inverts the order
+    (the LSE gather relies on it)."""
+    from pallas_attn.prefill_mosaic import BLOCK_Q, ROW_ALIGN, _work_list, num_work_slots
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = int(cu[-1]) + extra
-    tiles_per_seq = -(-(max(max(lens), 1) + 7) // BLOCK_Q)
-    num_slots = min(-(-num_tokens // BLOCK_Q) + 2 * len(lens), len(lens) * tiles_per_seq)
-    req, tile, slot, cu_tiles = (np.asarray(x) for x in _work_list(jnp.asarray(cu), num_slots, causal, tiles_per_seq))
+    max_seqlen = max(lens)
+    tiles_per_seq = -(-(max(max_seqlen, 1) + 7) // BLOCK_Q)
+    num_slots = num_work_slots(num_tokens, len(lens), max_seqlen, group, compute_wgs)
+    req, first, slot, cu_programs, tiles = (np.asarray(x) for x in _work_list(
+        jnp.asarray(cu), num_slots, causal, tiles_per_seq, group, compute_wgs))
     shifts = cu[:-1] % ROW_ALIGN
-    expected = {(b, m) for b, n in enumerate(lens) if n for m in range(-(-(n + shifts[b]) // BLOCK_Q))}
+    np.testing.assert_array_equal(tiles, [-(-(n + s) // BLOCK_Q) if n else 0 for n, s in zip(lens, shifts)])
     used = req >= 0
-    assert sorted(zip(req[used].tolist(), tile[used].tolist())) == sorted(expected)
     assert not used[used.sum():].any()  # unused slots at the end
-    keys = [min((m + 1) * BLOCK_Q - shifts[b], lens[b]) if causal else lens[b] for b, m in zip(req[used], tile[used])]
+    items = [(b, i) for b, f in zip(req[used].tolist(), first[used].tolist())
+             for i in range(f, min(f + compute_wgs, tiles[b] * group))]
+    assert sorted(items) == [(b, i) for b in range(len(lens)) for i in range(tiles[b] * group)]
+    keys = [min(-(-min(f + compute_wgs, tiles[b] * group) // group) * BLOCK_Q - shifts[b], lens[b]) if causal
+            else lens[b] for b, f in zip(req[used], first[used])]
     assert keys == sorted(keys, reverse=True)
-    for b, m in expected:
-        assert (req[slot[cu_tiles[b] + m]], tile[slot[cu_tiles[b] + m]]) == (b, m)
+    for b in range(len(lens)):
+        for c in range(cu_programs[b + 1] - cu_programs[b]):
+            assert (req[slot[cu_programs[b] + c]], first[slot[cu_programs[b] + c]]) == (b, c * compute_wgs)
+
+
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
+def test_two_compute_warpgroups(rng):
+    """``compute_wgs=2`` (the tuning knob the probe compares against): the same items, two to a program."""
+    from pallas_attn import backend, prefill_mosaic
+    lens = [130, 1, 70]
+    q, k, v, cu = _inputs(rng, lens, 6, 2, 64, jnp.bfloat16)
+    out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=True,
+                                                      scale=64 ** -0.5, return_lse=True,
+                                                      interpret=backend.resolve_interpret(None),
+                                                      compute_wgs=2)
+    ref_out, ref_lse = reference.varlen_attention(q, k, v, cu, return_lse=True)
+    n = sum(lens)
+    assert_attention_close(out, ref_out, dtype=jnp.bfloat16, valid_rows=n)
+    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
