@@ -1,7 +1,7 @@
 """Run the Mosaic prefill on one causal request twice, for a profiler or a SASS dump (GPU only):
 
     ncu --section WarpStateStats --section SourceCounters --kernel-name regex:mosaic --launch-skip 1 \
-        --launch-count 1 -o prefill python3 scripts/ncu_prefill.py 8192 ovl=0
+        --launch-count 1 -o prefill python3 scripts/ncu_prefill.py 8192 wgs=2
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=dump python3 scripts/ncu_prefill.py 4096   # then tools/ptx_schedule.py
 
 The second argument: the kernel's tuning knobs, as in ``probe_prefill_mosaic.py``'s VARIANTS.

@@ -3,7 +3,7 @@ back to back for a few seconds: a bf16 matmul (the ceiling), then P2 through the
 JSON to $OUT/power_probe.json. GPU only.
 
     python scripts/power_probe.py [seconds per kernel]
-    VARIANTS="ovl=0,bkv=64" python scripts/power_probe.py   # also P2 through Mosaic kernel variants (probe knobs)
+    VARIANTS="wgs=2,bkv=64" python scripts/power_probe.py   # also P2 through Mosaic kernel variants (probe knobs)
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_attn import prefill_mosaic, varlen_attention  # noqa: E402
+from pallas_attn import varlen_attention  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from probe_prefill_mosaic import VARIANTS, WORKLOADS, inputs, knobs  # noqa: E402
+from probe_prefill_mosaic import VARIANTS, WORKLOADS, inputs, variant_impl  # noqa: E402
 
 FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -65,8 +65,8 @@ def main() -> int:
                       p2_flops),
     }
     for variant in VARIANTS:
-        kernels[f"P2_mosaic/{variant}"] = (jax.jit(lambda *x, kw=knobs(variant): prefill_mosaic.varlen_attention_mosaic(
-            *x, max_seqlen=n, causal=True, scale=128 ** -0.5, return_lse=False, interpret=False, **kw)[0]),
+        kernels[f"P2_mosaic/{variant}"] = (jax.jit(lambda *x, impl=variant_impl(variant): impl(
+            *x, max_seqlen=n, causal=True, scale=128 ** -0.5, return_lse=False, interpret=False)[0]),
             (q, k, v, cu), p2_flops)
     rows = []
     for name, (fn, args, flops) in kernels.items():

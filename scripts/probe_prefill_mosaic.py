@@ -33,20 +33,33 @@ WORKLOADS = {"P1": (P1, 128, True), "P2": ([32768], 128, True),
              "short-128x256": ([256] * 128, 128, True),
              "short-64x512": ([512] * 64, 128, True),
              "P1-d64": (P1, 64, True),
+             "d64-64x512": ([512] * 64, 64, True),
+             "d64-32x1024": ([1024] * 32, 64, True),
              "noncausal-4x8192": ([8192] * 4, 128, False)}
 
 
-# Mosaic tuning variants on P1/P2, e.g. VARIANTS="ovl=0,regs=240/24+bkv=128": the kernel's knobs, "+"-joined
+# Mosaic tuning variants on P1/P2, e.g. VARIANTS="wgs=2,regs=240/24+bkv=128,base": the kernel's knobs, "+"-joined
 VARIANTS = [v for v in os.environ.get("VARIANTS", "").split(",") if v]
-KNOBS = {"bkv": "block_kv", "mcs": "max_concurrent_steps", "regs": "registers", "ovl": "overlap"}
+KNOBS = {"bkv": "block_kv", "mcs": "max_concurrent_steps", "regs": "registers", "wgs": "compute_wgs"}
 
 
 def knobs(variant: str) -> dict:
     kw = {}
     for item in variant.split("+"):
+        if item == "base":
+            continue
         key, value = item.split("=")
         kw[KNOBS[key]] = tuple(int(x) for x in value.split("/")) if key == "regs" else int(value)
     return kw
+
+
+def variant_impl(variant: str):
+    """``varlen_attention_mosaic`` of a variant with its knobs bound; "base" in it: the committed kernel kept for
+    A/B runs in ``scripts/_baseline_prefill_mosaic.py`` (uncommitted: ``git show HEAD:pallas_attn/prefill_mosaic.py``)."""
+    module = prefill_mosaic
+    if "base" in variant.split("+"):
+        import _baseline_prefill_mosaic as module
+    return functools.partial(module.varlen_attention_mosaic, **knobs(variant))
 
 
 def inputs(lens, d: int, causal: bool, hq: int = 32, hkv: int = 8):
@@ -99,9 +112,8 @@ def main() -> int:
         errs = {"triton": 0.0, "mosaic": err}
         for variant in (VARIANTS if name in ("P1", "P2") else []):
             f = jax.jit(functools.partial(
-                lambda q, k, v, cu, **kw: prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, **kw)[0],
-                max_seqlen=max(lens), causal=causal, scale=d ** -0.5, return_lse=False, interpret=False,
-                **knobs(variant)))
+                lambda q, k, v, cu, impl=variant_impl(variant), **kw: impl(q, k, v, cu, **kw)[0],
+                max_seqlen=max(lens), causal=causal, scale=d ** -0.5, return_lse=False, interpret=False))
             try:
                 e = float(relative_l2(f(q, k, v, cu), ref))
                 print(f"{name} mosaic/{variant} rel L2 vs triton {e:.2e}", flush=True)

@@ -1,0 +1,59 @@
+"""Where a Mosaic prefill call's time goes (GPU only): the whole ``varlen_attention_mosaic`` call against its parts
+jitted alone — the work list, the K/V staging gather, and the kernel on precomputed inputs — timed in interleaved
+rounds. JSON to $OUT/prefill_breakdown.json.
+
+    python scripts/breakdown_prefill.py [P1,P2]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+
+from pallas_attn import prefill_mosaic as pm  # noqa: E402
+from probe_prefill_mosaic import WORKLOADS, inputs, timeit  # noqa: E402
+
+
+def main() -> int:
+    rows = []
+    for name in (sys.argv[1].split(",") if len(sys.argv) > 1 else ["P1", "P2"]):
+        lens, d, causal = WORKLOADS[name]
+        q, k, v, cu, flops = inputs(lens, d, causal)
+        max_seqlen, (num_tokens, hq, _), hkv = max(lens), q.shape, k.shape[1]
+        group, wgs = hq // hkv, pm.COMPUTE_WGS
+        num_slots = pm.num_work_slots(num_tokens, len(lens), max_seqlen, group, wgs)
+        tiles_per_seq = pl.cdiv(max_seqlen + pm.ROW_ALIGN - 1, pm.BLOCK_Q)
+        full = jax.jit(functools.partial(pm.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
+                                         scale=d ** -0.5, return_lse=False, interpret=False))
+        work = jax.jit(lambda cu: pm._work_list(cu, num_slots, causal, tiles_per_seq, group, wgs))
+        stage = jax.jit(lambda k, v, cu: pm._stage_kv(k, v, cu, pm.BLOCK_KV))
+        kernel = jax.jit(functools.partial(
+            pm._call_kernel, num_slots=num_slots, causal=causal, scale=d ** -0.5, return_lse=False, interpret=False,
+            block_kv=pm.BLOCK_KV, max_concurrent_steps=2, registers=pm.REGISTERS[wgs], compute_wgs=wgs))
+        req, first, _, _, tiles = work(cu)
+        ks, vs, kv_tiles = stage(k, v, cu)
+        parts = {"whole call": lambda: full(q, k, v, cu), "work list": lambda: work(cu),
+                 "K/V staging": lambda: stage(k, v, cu),
+                 "kernel": lambda: kernel(q, ks, vs, cu, kv_tiles, tiles, req, first)}
+        for (part, _), s in zip(parts.items(), timeit(list(parts.values()))):
+            rows.append(dict(workload=name, part=part, median_ms=s * 1e3, tflops=flops / s / 1e12))
+            print(f"{name} {part:12s} {s * 1e3:8.3f} ms  ({flops / s / 1e12:6.1f} TFLOP/s of the call's flops)",
+                  flush=True)
+    pathlib.Path(os.environ.get("OUT", "/tmp"), "prefill_breakdown.json").write_text(json.dumps(dict(
+        device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"), rows=rows),
+        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
