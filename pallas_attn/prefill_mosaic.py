@@ -282,7 +282,12 @@ def _kernel(cu_ref, kv_tiles_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def _work_list(cu_seqlens, num_slots: int, causal: bool, tiles_per_seq: int, group: int, compute_wgs: int):
+def _tiles_per_seq(max_seqlen: int) -> int:
+    """Query tiles of one request at most: its rows start at ``cu_seqlens[b]`` rounded down to 8."""
+    return pl.cdiv(max(max_seqlen, 1) + ROW_ALIGN - 1, BLOCK_Q)
+
+
+def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group: int, compute_wgs: int):
     """Programs' items, heaviest first: ``(request i32[num_slots], first item i32[num_slots], slot i32[num_slots],
     cu_programs i32[num_seqs + 1], tiles i32[num_seqs])``; request -1 for unused slots.
 
@@ -295,7 +300,8 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool, tiles_per_seq: int, gro
     shift = starts % ROW_ALIGN
     # at most tiles_per_seq each: a request longer than max_seqlen (a broken contract) is truncated, and cannot push
     # other requests' tiles out of the static list
-    n_tiles = jnp.where(q_lens > 0, jnp.minimum((q_lens + shift + BLOCK_Q - 1) // BLOCK_Q, tiles_per_seq), 0)
+    n_tiles = jnp.where(q_lens > 0, jnp.minimum((q_lens + shift + BLOCK_Q - 1) // BLOCK_Q,
+                                                _tiles_per_seq(max_seqlen)), 0)
     n_programs = (n_tiles * group + compute_wgs - 1) // compute_wgs
     req, program, cu_programs = metadata.segment_items(n_programs, num_slots)
     safe = jnp.maximum(req, 0)
@@ -309,11 +315,11 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool, tiles_per_seq: int, gro
 
 def num_work_slots(num_tokens: int, num_seqs: int, max_seqlen: int, group: int, compute_wgs: int) -> int:
     """A static bound on the programs ``_work_list`` hands out: Σ_b cdiv(tiles_b · group, compute_wgs), with
-    ``tiles_b ≤ len_b / 64 + 2`` and ``tiles_b ≤ cdiv(max_seqlen + 7, 64)``."""
-    tiles_per_seq = pl.cdiv(max(max_seqlen, 1) + ROW_ALIGN - 1, BLOCK_Q)
+    ``tiles_b ≤ len_b / 64 + 2`` and ``tiles_b ≤ _tiles_per_seq(max_seqlen)``."""
     tiles = pl.cdiv(num_tokens, BLOCK_Q) + 2 * num_seqs
     rounding = 0 if group % compute_wgs == 0 else num_seqs  # a request's last program may be part-filled
-    return min(pl.cdiv(tiles * group, compute_wgs) + rounding, num_seqs * pl.cdiv(tiles_per_seq * group, compute_wgs))
+    return min(pl.cdiv(tiles * group, compute_wgs) + rounding,
+               num_seqs * pl.cdiv(_tiles_per_seq(max_seqlen) * group, compute_wgs))
 
 
 def _stage_kv(k, v, cu_seqlens, block_kv: int):
@@ -393,9 +399,8 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     num_tokens, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
-    tiles_per_seq = pl.cdiv(max(max_seqlen, 1) + ROW_ALIGN - 1, BLOCK_Q)
     num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group, compute_wgs)
-    work_req, work_item, work_slot, cu_programs, q_tiles = _work_list(cu_seqlens, num_slots, causal, tiles_per_seq,
+    work_req, work_item, work_slot, cu_programs, q_tiles = _work_list(cu_seqlens, num_slots, causal, max_seqlen,
                                                                       group, compute_wgs)
     k, v, kv_tiles = _stage_kv(k, v, cu_seqlens, block_kv)
     out, lse_tiles = _call_kernel(

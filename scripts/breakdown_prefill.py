@@ -18,7 +18,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
 
 from pallas_attn import prefill_mosaic as pm  # noqa: E402
 from probe_prefill_mosaic import WORKLOADS, inputs, timeit  # noqa: E402
@@ -32,10 +31,9 @@ def main() -> int:
         max_seqlen, (num_tokens, hq, _), hkv = max(lens), q.shape, k.shape[1]
         group, wgs = hq // hkv, pm.COMPUTE_WGS
         num_slots = pm.num_work_slots(num_tokens, len(lens), max_seqlen, group, wgs)
-        tiles_per_seq = pl.cdiv(max_seqlen + pm.ROW_ALIGN - 1, pm.BLOCK_Q)
         full = jax.jit(functools.partial(pm.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
                                          scale=d ** -0.5, return_lse=False, interpret=False))
-        work = jax.jit(lambda cu: pm._work_list(cu, num_slots, causal, tiles_per_seq, group, wgs))
+        work = jax.jit(lambda cu: pm._work_list(cu, num_slots, causal, max_seqlen, group, wgs))
         stage = jax.jit(lambda k, v, cu: pm._stage_kv(k, v, cu, pm.BLOCK_KV))
         kernel = jax.jit(functools.partial(
             pm._call_kernel, num_slots=num_slots, causal=causal, scale=d ** -0.5, return_lse=False, interpret=False,

@@ -163,10 +163,9 @@ def test_work_list_covers_every_item_once(lens, extra, causal, group, compute_wg
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = int(cu[-1]) + extra
     max_seqlen = max(lens)
-    tiles_per_seq = -(-(max(max_seqlen, 1) + 7) // BLOCK_Q)
     num_slots = num_work_slots(num_tokens, len(lens), max_seqlen, group, compute_wgs)
     req, first, slot, cu_programs, tiles = (np.asarray(x) for x in _work_list(
-        jnp.asarray(cu), num_slots, causal, tiles_per_seq, group, compute_wgs))
+        jnp.asarray(cu), num_slots, causal, max_seqlen, group, compute_wgs))
     shifts = cu[:-1] % ROW_ALIGN
     np.testing.assert_array_equal(tiles, [-(-(n + s) // BLOCK_Q) if n else 0 for n, s in zip(lens, shifts)])
     used = req >= 0
