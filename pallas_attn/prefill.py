@@ -227,6 +227,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       >>> out = varlen_attention(q, k, v, cu, max_seqlen=8)
     """
     _validate(q, k, v, cu_seqlens, max_seqlen)
+    if q.shape[0] == 0:  # no tokens: the kernels' grids and gathers need at least one row
+        return (q, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else q
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(

@@ -30,9 +30,12 @@ Pallas:
   another request, even NaN, only makes its own score row garbage. When ``T`` is not a multiple of 8 (the tiled
   TMA descriptor needs whole 8-row groups), Q lands in the untiled view and is re-laid out through registers
   instead. Padding rows (past ``cu_seqlens[-1]``) are zeroed by extra programs, 512 rows each.
-* K/V are staged: a whole-window ``P @ V`` past a request's end must meet zeros, not a neighbour's NaN
-  (``0 · NaN = NaN``). The wrapper gathers them so request ``b``'s keys start at row ``128 · kv_tiles[b]`` with
-  zeros up to the next 128-key window (P1: one gather pass over K and V, ~0.24 GB of traffic).
+* K/V are read in place where they can be: request ``b``'s window ``j`` is its keys ``128 · [j, j + 1)``, packed
+  rows ``cu_seqlens[b] + 128 j`` onwards, which a TMA into tiled shared memory can read when ``cu_seqlens[b]`` is
+  a multiple of 8 and the window ends inside the request. The others are staged, zero-filled past the request's
+  end, by a copy kernel that touches only them: every window of a request that starts elsewhere, and the last,
+  partial window of one that does not (a whole-window ``P @ V`` past a request's end must meet zeros, not a
+  neighbour's NaN: ``0 · NaN = NaN``). P1 and P2 stage nothing.
 * LSE (natural log) goes to a buffer ``[work slots, Hkv, 3, 64]`` (a 64-wide TMA store per item; ∝ T) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
@@ -59,8 +62,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as pltriton
 
-from pallas_attn import masks, metadata, softmax
+from pallas_attn import masks, metadata, softmax, tiles
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 COMPUTE_WGS = 3  # items (query tile, head) per program, one per compute warpgroup
@@ -98,8 +102,8 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
         cur = cur + jnp.where(take, size, 0)
 
 
-def _kernel(cu_ref, kv_tiles_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-            scoped, *, group: int, num_work_slots: int, block_kv: int, mcs: int, causal: bool, scale2: float,
+def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref, k_staged_ref,
+            v_staged_ref, o_ref, lse_ref, scoped, *, group: int, num_work_slots: int, block_kv: int, mcs: int, causal: bool, scale2: float,
             compiled: bool, q_tiled_tma: bool, registers: tuple[int, int], compute_wgs: int):
     (q_and_o, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     q_smem, o_smem = q_and_o  # one buffer: a warpgroup's O is written after its last Q Kᵀ
@@ -120,7 +124,6 @@ def _kernel(cu_ref, kv_tiles_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
     # load is a plain TMA of the packed layout; rows before the request (r < lo) or after it (r >= hi) are loaded,
     # masked or ignored, and never stored.
     base = lax.div(start, jnp.int32(ROW_ALIGN)) * ROW_ALIGN
-    kv_row0 = kv_tiles_ref[b] * block_kv  # K/V are staged: request b from this multiple of the window, zeros after
 
     def item_of(i):
         """Warpgroup ``i``'s item ``first_item + i`` of (request b, this KV head): query tile ``m`` (item // group)
@@ -244,13 +247,28 @@ def _kernel(cu_ref, kv_tiles_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
     def _memory():
         plgpu.set_max_registers(registers[1], action="decrease")
 
+        # windows from first_staged on are staged windows staged0, staged0 + 1, ... (see _stage_kv); read once
+        first_staged, staged0 = kv_stage_ref[2 * b], kv_stage_ref[2 * b + 1]
+
         def load(step, slot, k_ready=lambda: None, v_ready=lambda: None):
-            """K/V tile ``step`` into ``slot``; K and V each after its own release (a refill)."""
-            rows = (pl.ds(kv_row0 + step * block_kv, block_kv), kv_head)
+            """K/V window ``step`` into ``slot``, in place or staged; K and V each after its own release (a
+            refill)."""
+            staged = step >= first_staged
+
+            def copy(packed, staged_ref, dst, bar):
+                @pl.when(jnp.logical_not(staged))
+                def _in_place():  # base == start here: its provable multiple of 8 is what the TMA needs
+                    plgpu.copy_gmem_to_smem(packed.at[pl.ds(base + step * block_kv, block_kv), kv_head], dst, bar)
+
+                @pl.when(staged)
+                def _staged():
+                    rows = pl.ds((staged0 + step - first_staged) * block_kv, block_kv)
+                    plgpu.copy_gmem_to_smem(staged_ref.at[rows, kv_head], dst, bar)
+
             k_ready()
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+            copy(k_ref, k_staged_ref, k_smem.at[slot], k_bar.at[slot])
             v_ready()
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+            copy(v_ref, v_staged_ref, v_smem.at[slot], v_bar.at[slot])
 
         for i in range(mcs):
             pl.when(i < cta_steps)(functools.partial(load, i, i))
@@ -322,28 +340,64 @@ def num_work_slots(num_tokens: int, num_seqs: int, max_seqlen: int, group: int, 
                num_seqs * pl.cdiv(_tiles_per_seq(max_seqlen) * group, compute_wgs))
 
 
-def _stage_kv(k, v, cu_seqlens, block_kv: int):
-    """K/V ``[T, Hkv, D]`` staged so that request ``b``'s keys start at row ``block_kv · kv_tiles[b]``, zeros after
-    them up to the next window: ``(k, v [S, Hkv, D], kv_tiles i32[num_seqs + 1])``.
+def _stage_kernel(src_ref, end_ref, k_ref, v_ref, k_staged_ref, v_staged_ref, *, block_kv: int, num_kv_heads: int,
+                  head_dim: int):
+    """Program ``(w, h)``: staged window ``w`` of KV head ``h`` ← packed rows ``src[w] + [0, block_kv)``, zeros from
+    ``end[w]`` on; nothing when ``src[w] < 0`` (an unused window: left unwritten, never read)."""
+    w, h = pl.program_id(0), pl.program_id(1)
+    src = src_ref[w]
 
-    A whole-window P @ V past a request's end must meet zeros, not a neighbour's (or padding's) NaN (0 · NaN =
-    NaN), and TMA into tiled shared memory needs tile-aligned rows. Q and O stay in the packed layout (4x the bytes
-    at GQA 4): a Q row of another request only makes its own score row garbage, and stores are row-exact."""
-    num_tokens, num_seqs = k.shape[0], cu_seqlens.shape[0] - 1
-    q_lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    staged_rows = pl.cdiv(num_tokens + block_kv * num_seqs, block_kv) * block_kv
-    row_req, local, cu_staged = metadata.segment_items(pl.cdiv(q_lens, block_kv) * block_kv, staged_rows)
-    live_row = (row_req >= 0) & (local < q_lens[jnp.maximum(row_req, 0)])
-    src = jnp.where(live_row, cu_seqlens[jnp.maximum(row_req, 0)] + local, 0)
-    # A gather (each staged row finds its token): XLA's scatter of 8 KB rows ran at ~250 GB/s.
-    stage = lambda x: jnp.where(live_row[:, None, None], x[src], jnp.zeros((), x.dtype))  # noqa: E731
-    return stage(k), stage(v), cu_staged // block_kv
+    @pl.when(src >= 0)
+    def _copy():
+        tok = src + jnp.arange(block_kv)
+        cols = tiles.Cols(head_dim, head_dim)
+        dst = (w * block_kv + jnp.arange(block_kv)) * num_kv_heads + h
+        for x_ref, staged_ref in ((k_ref, k_staged_ref), (v_ref, v_staged_ref)):
+            tiles.store_rows(staged_ref, dst, cols, tiles.load_rows(x_ref, tok * num_kv_heads + h, cols,
+                                                                    tok < end_ref[w]))
 
 
-def _call_kernel(q, k, v, cu_seqlens, kv_tiles, q_tiles, work_req, work_item, *, num_slots: int, causal: bool,
+def _stage_kv(k, v, cu_seqlens, block_kv: int, interpret: bool):
+    """The K/V windows the kernel cannot read in place, copied: ``(k_staged, v_staged [S · block_kv, Hkv, D],
+    kv_stage i32[2 · num_seqs])``; request ``b``'s windows from ``kv_stage[2 b]`` on are staged windows
+    ``kv_stage[2 b + 1]``, ``kv_stage[2 b + 1] + 1``, ...
+
+    Request ``b``'s window ``j`` (its keys ``block_kv · [j, j + 1)``) is read in place when the request starts on a
+    multiple of 8 (TMA into tiled shared memory) and the window ends inside it; else staged, zeros past the
+    request's end (a whole-window P @ V must not meet a neighbour's NaN). So a request starting on a multiple of 8
+    stages at most its last window, and P1 nothing. A copy kernel, not an XLA gather: the static bound on staged
+    windows is all of K/V, and the gather would write all of it (zeros where unused) on every call."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    q_lens = ends - starts
+    num_windows = (q_lens + block_kv - 1) // block_kv
+    first_staged = jnp.where(starts % ROW_ALIGN == 0, num_windows - (q_lens % block_kv != 0), 0)
+    num_staged = pl.cdiv(num_tokens, block_kv) + num_seqs  # Σ_b cdiv(len_b, block_kv) at most
+    owner, index, cu_staged = metadata.segment_items(num_windows - first_staged, num_staged)
+    req = jnp.maximum(owner, 0)
+    src = jnp.where(owner >= 0, starts[req] + (first_staged[req] + index) * block_kv, -1)
+    flat = lambda x: x.reshape(-1, head_dim)  # noqa: E731  row = token · Hkv + head
+    full = lambda n: pl.BlockSpec((n, head_dim), lambda *_: (0, 0))  # noqa: E731  whole array; rows indexed inside
+    vector = pl.BlockSpec((num_staged,), lambda *_: (0,))
+    k_staged, v_staged = pl.pallas_call(
+        functools.partial(_stage_kernel, block_kv=block_kv, num_kv_heads=num_kv_heads, head_dim=head_dim),
+        grid=(num_staged, num_kv_heads),
+        in_specs=[vector, vector, full(num_tokens * num_kv_heads), full(num_tokens * num_kv_heads)],
+        out_specs=[full(num_staged * block_kv * num_kv_heads)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((num_staged * block_kv * num_kv_heads, head_dim), k.dtype)] * 2,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="stage_kv_windows",
+    )(src, ends[req], flat(k), flat(v))
+    kv_stage = jnp.stack([first_staged, cu_staged[:-1]], axis=1).reshape(-1)
+    return (k_staged.reshape(-1, num_kv_heads, head_dim), v_staged.reshape(-1, num_kv_heads, head_dim), kv_stage)
+
+
+def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, *, num_slots: int, causal: bool,
                  scale: float, return_lse: bool, interpret: bool, block_kv: int, max_concurrent_steps: int,
                  registers: tuple[int, int], compute_wgs: int):
-    """The kernel on staged K/V and a work list: ``out [T, Hq, D]``, ``lse_tiles f32[num_slots, Hkv, W, 64]``."""
+    """The kernel on K/V (rows in whole 8-row groups), their staged windows and a work list: ``out [T, Hq, D]``,
+    ``lse_tiles f32[num_slots, Hkv, W, 64]``."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -380,7 +434,7 @@ def _call_kernel(q, k, v, cu_seqlens, kv_tiles, q_tiles, work_req, work_item, *,
         entry, out_type=out_type, grid=(num_kv_heads, num_slots + num_pad_slots),
         grid_names=("heads", "work"), num_threads=compute_wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params,
-    )(cu_seqlens, kv_tiles, q_tiles, work_req, work_item, q, k, v)
+    )(cu_seqlens, kv_stage, q_tiles, work_req, work_item, q, k, v, k_staged, v_staged)
 
 
 def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
@@ -402,9 +456,11 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group, compute_wgs)
     work_req, work_item, work_slot, cu_programs, q_tiles = _work_list(cu_seqlens, num_slots, causal, max_seqlen,
                                                                       group, compute_wgs)
-    k, v, kv_tiles = _stage_kv(k, v, cu_seqlens, block_kv)
+    k_staged, v_staged, kv_stage = _stage_kv(k, v, cu_seqlens, block_kv, interpret)
+    if num_tokens % ROW_ALIGN:  # a TMA into tiled shared memory reads whole 8-row groups of K/V
+        k, v = (jnp.pad(x, ((0, -num_tokens % ROW_ALIGN), (0, 0), (0, 0))) for x in (k, v))
     out, lse_tiles = _call_kernel(
-        q, k, v, cu_seqlens, kv_tiles, q_tiles, work_req, work_item, num_slots=num_slots, causal=causal, scale=scale,
+        q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots, causal=causal, scale=scale,
         return_lse=return_lse, interpret=interpret, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
         registers=registers or REGISTERS[compute_wgs], compute_wgs=compute_wgs)
     if not return_lse:

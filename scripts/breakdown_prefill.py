@@ -1,5 +1,5 @@
 """Where a Mosaic prefill call's time goes (GPU only): the whole ``varlen_attention_mosaic`` call against its parts
-jitted alone — the work list, the K/V staging gather, and the kernel on precomputed inputs — timed in interleaved
+jitted alone — the work list, the K/V staging copy, and the kernel on precomputed inputs — timed in interleaved
 rounds. JSON to $OUT/prefill_breakdown.json.
 
     python scripts/breakdown_prefill.py [P1,P2]
@@ -34,15 +34,15 @@ def main() -> int:
         full = jax.jit(functools.partial(pm.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
                                          scale=d ** -0.5, return_lse=False, interpret=False))
         work = jax.jit(lambda cu: pm._work_list(cu, num_slots, causal, max_seqlen, group, wgs))
-        stage = jax.jit(lambda k, v, cu: pm._stage_kv(k, v, cu, pm.BLOCK_KV))
+        stage = jax.jit(lambda k, v, cu: pm._stage_kv(k, v, cu, pm.BLOCK_KV, interpret=False))
         kernel = jax.jit(functools.partial(
             pm._call_kernel, num_slots=num_slots, causal=causal, scale=d ** -0.5, return_lse=False, interpret=False,
             block_kv=pm.BLOCK_KV, max_concurrent_steps=2, registers=pm.REGISTERS[wgs], compute_wgs=wgs))
         req, first, _, _, tiles = work(cu)
-        ks, vs, kv_tiles = stage(k, v, cu)
+        k_staged, v_staged, kv_stage = stage(k, v, cu)  # P1, P2: T in whole 8-row groups (no padding)
         parts = {"whole call": lambda: full(q, k, v, cu), "work list": lambda: work(cu),
                  "K/V staging": lambda: stage(k, v, cu),
-                 "kernel": lambda: kernel(q, ks, vs, cu, kv_tiles, tiles, req, first)}
+                 "kernel": lambda: kernel(q, k, v, k_staged, v_staged, cu, kv_stage, tiles, req, first)}
         for (part, _), s in zip(parts.items(), timeit(list(parts.values()))):
             rows.append(dict(workload=name, part=part, median_ms=s * 1e3, tflops=flops / s / 1e12))
             print(f"{name} {part:12s} {s * 1e3:8.3f} ms  ({flops / s / 1e12:6.1f} TFLOP/s of the call's flops)",

@@ -7,6 +7,7 @@ run (and checked against it), JSON to $OUT/mosaic_probe.json. GPU only.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import pathlib
@@ -38,7 +39,8 @@ WORKLOADS = {"P1": (P1, 128, True), "P2": ([32768], 128, True),
              "noncausal-4x8192": ([8192] * 4, 128, False)}
 
 
-# Mosaic tuning variants on P1/P2, e.g. VARIANTS="wgs=2,regs=240/24+bkv=128,base": the kernel's knobs, "+"-joined
+# Mosaic tuning variants, timed on every workload asked for, e.g. VARIANTS="wgs=2,regs=240/24+bkv=128,base": the
+# kernel's knobs, "+"-joined
 VARIANTS = [v for v in os.environ.get("VARIANTS", "").split(",") if v]
 KNOBS = {"bkv": "block_kv", "mcs": "max_concurrent_steps", "regs": "registers", "wgs": "compute_wgs"}
 
@@ -46,7 +48,7 @@ KNOBS = {"bkv": "block_kv", "mcs": "max_concurrent_steps", "regs": "registers", 
 def knobs(variant: str) -> dict:
     kw = {}
     for item in variant.split("+"):
-        if item == "base":
+        if item == "base" or item.startswith("mod:"):
             continue
         key, value = item.split("=")
         kw[KNOBS[key]] = tuple(int(x) for x in value.split("/")) if key == "regs" else int(value)
@@ -55,10 +57,14 @@ def knobs(variant: str) -> dict:
 
 def variant_impl(variant: str):
     """``varlen_attention_mosaic`` of a variant with its knobs bound; "base" in it: the committed kernel kept for
-    A/B runs in ``scripts/_baseline_prefill_mosaic.py`` (uncommitted: ``git show HEAD:pallas_attn/prefill_mosaic.py``)."""
+    A/B runs in ``scripts/_baseline_prefill_mosaic.py`` (uncommitted: ``git show HEAD:pallas_attn/prefill_mosaic.py``);
+    "mod:NAME": another uncommitted copy, ``scripts/_NAME.py`` (a diagnostic change, e.g. one stage left out)."""
     module = prefill_mosaic
     if "base" in variant.split("+"):
         import _baseline_prefill_mosaic as module
+    for item in variant.split("+"):
+        if item.startswith("mod:"):  # an uncommitted copy of the kernel with a diagnostic change, scripts/_NAME.py
+            module = importlib.import_module("_" + item[4:])
     return functools.partial(module.varlen_attention_mosaic, **knobs(variant))
 
 
@@ -110,7 +116,7 @@ def main() -> int:
             continue
         impls = [("triton", triton), ("mosaic", mosaic)]
         errs = {"triton": 0.0, "mosaic": err}
-        for variant in (VARIANTS if name in ("P1", "P2") else []):
+        for variant in VARIANTS:
             f = jax.jit(functools.partial(
                 lambda q, k, v, cu, impl=variant_impl(variant), **kw: impl(q, k, v, cu, **kw)[0],
                 max_seqlen=max(lens), causal=causal, scale=d ** -0.5, return_lse=False, interpret=False))

@@ -122,3 +122,11 @@ def test_batch_invariance_position_and_company(rng):
     moved_cu = jnp.asarray(np.concatenate([[0], np.cumsum([lens[i] for i in order])]), jnp.int32)
     moved = run(cat(q), cat(k), cat(v), moved_cu)
     np.testing.assert_array_equal(full[lo:hi], moved[: hi - lo])
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_no_tokens_gives_empty_outputs(backend):
+    """``T = 0`` (an empty prefill batch) returns empty outputs instead of failing inside a gather."""
+    q, k = jnp.zeros((0, 4, 64), jnp.bfloat16), jnp.zeros((0, 2, 64), jnp.bfloat16)
+    out, lse = varlen_attention(q, k, k, jnp.zeros((2,), jnp.int32), max_seqlen=1, return_lse=True, backend=backend)
+    assert out.shape == (0, 4, 64) and out.dtype == q.dtype and lse.shape == (0, 4) and lse.dtype == jnp.float32

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from pallas_attn import PrefillConfig, reference, varlen_attention
 from pallas_attn.testing import assert_attention_close, random_packed
 
+from .test_lowering import _lower
+
 # name: (lens, num_q_heads, num_kv_heads, head_dim, causal, dtype); query tiles are 64 rows, K/V tiles 128. A
 # program takes three (tile, head) items of one request and KV head: with groups 1, 2, 4 and 8 its items span two
 # tiles (one K/V step apart when causal), and a request's last program may be part-filled.
@@ -29,6 +31,8 @@ SCENARIOS = {
     "fp16_gqa8": ([127, 129], 8, 1, 64, True, jnp.float16),
     "gqa3_d128": ([65, 192, 2], 6, 2, 128, True, jnp.bfloat16),
     "mha_group1": ([257, 64, 9], 2, 2, 64, True, jnp.bfloat16),
+    # request 1 starts at 8: K/V windows 0-2 read in place (full for its last tiles), its partial window 3 staged
+    "aligned_long_gqa2": ([8, 400, 3], 4, 2, 64, True, jnp.bfloat16),
 }
 
 
@@ -128,7 +132,7 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens):
             s((num_tokens, 8, head_dim), jnp.bfloat16), s((17,), jnp.int32))
     f = functools.partial(varlen_attention, max_seqlen=4096, causal=causal, return_lse=return_lse, interpret=False,
                           backend="mosaic")
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lower(f, *args)  # an abstract H200: the staging copy is a Triton kernel, which needs its sm version
     assert "mosaic_gpu" in text
 
 
@@ -179,6 +183,36 @@ def test_work_list_covers_every_item_once(lens, extra, causal, group, compute_wg
     for b in range(len(lens)):
         for c in range(cu_programs[b + 1] - cu_programs[b]):
             assert (req[slot[cu_programs[b] + c]], first[slot[cu_programs[b] + c]]) == (b, c * compute_wgs)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=12), extra=st.integers(0, 20),
+       block_kv=st.sampled_from([64, 128]))
+def test_staged_windows_hold_every_window_not_read_in_place(lens, extra, block_kv):
+    """Request b's K/V window j (its keys block_kv · [j, j + 1)) is read in place only where a TMA into tiled shared
+    memory can (start a multiple of 8) and the window lies inside the request; every other window is staged, zeros
+    past the request's end, within the static staged buffer. Aligned requests stage at most their last window."""
+    from pallas_attn.prefill_mosaic import ROW_ALIGN, _stage_kv
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    num_tokens = max(int(cu[-1]) + extra, 1)  # varlen_attention returns at once on no tokens
+    k = np.arange(1, num_tokens + 1, dtype=np.float32)[:, None, None] * np.ones((1, 2, 16), np.float32)
+    k_staged, v_staged, kv_stage = (np.asarray(x) for x in _stage_kv(
+        jnp.asarray(k), jnp.asarray(-k), jnp.asarray(cu), block_kv, interpret=True))
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        first_staged, staged0 = kv_stage[2 * b], kv_stage[2 * b + 1]
+        num_windows = -(-(end - start) // block_kv)
+        if start % ROW_ALIGN == 0:
+            assert first_staged >= num_windows - 1
+        for j in range(num_windows):
+            rows = start + j * block_kv + np.arange(block_kv)
+            if j < first_staged:  # in place
+                assert start % ROW_ALIGN == 0 and rows[-1] < end
+                continue
+            want = np.where(rows < end, rows + 1, 0)[:, None, None] * np.ones((1, 2, 16))
+            window = slice((staged0 + j - first_staged) * block_kv, (staged0 + j - first_staged + 1) * block_kv)
+            assert window.stop <= len(k_staged)
+            np.testing.assert_array_equal(k_staged[window], want)
+            np.testing.assert_array_equal(v_staged[window], -want)
 
 
 @pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
