@@ -73,7 +73,10 @@ COMPUTE_WGS = 3  # items (query tile, head) per program, one per compute warpgro
 REGISTERS = {2: (232, 40), 3: (160, 24)}
 BLOCK_KV = 128  # keys per K/V slot; a third slot (max_concurrent_steps=3) overflows shared memory at D 128
 ROW_ALIGN = 8  # TMA into (8, 64)-tiled shared memory: a tile's packed row offset must be a provable multiple of 8
-PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # padding rows one program zeroes (rows past cu_seqlens[-1] must come out 0)
+PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # padding rows a program zeroes per round (rows past cu_seqlens[-1] must come out 0)
+# Padding programs per KV head at most (each loops over rounds): without padding they only launch and exit, as the
+# unused work slots do (P1: ~1,400 such programs)
+MAX_PAD_SLOTS = 16
 STORE_CHUNKS = (64, 32, 16, 8, 4, 2, 1)  # TMA stores of [lo, hi) rows: greedy, each size at most once
 
 
@@ -103,8 +106,9 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
 
 
 def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref, k_staged_ref,
-            v_staged_ref, o_ref, lse_ref, scoped, *, group: int, num_work_slots: int, block_kv: int, mcs: int, causal: bool, scale2: float,
-            compiled: bool, q_tiled_tma: bool, registers: tuple[int, int], compute_wgs: int):
+            v_staged_ref, o_ref, lse_ref, scoped, *, group: int, num_work_slots: int, num_pad_slots: int,
+            block_kv: int, mcs: int, causal: bool, scale2: float, compiled: bool, q_tiled_tma: bool,
+            registers: tuple[int, int], compute_wgs: int):
     (q_and_o, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     q_smem, o_smem = q_and_o  # one buffer: a warpgroup's O is written after its last Q Kᵀ
     kv_head = lax.axis_index("heads")
@@ -281,21 +285,26 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
                  v_ready=lambda: plgpu.barrier_wait(v_free.at[slot]))
 
     @pl.when(jnp.logical_not(is_tile) & (wg < compute_wgs))
-    def _zero_padding():  # rows past cu_seqlens[-1]: PAD_ROWS_PER_SLOT of them per program, for this KV head's heads
+    def _zero_padding():  # rows past cu_seqlens[-1], for this KV head's heads: PAD_ROWS_PER_SLOT per program a round
         num_rows = o_ref.shape[0]
         first = cu_ref[cu_ref.shape[0] - 1] + (w - num_work_slots) * PAD_ROWS_PER_SLOT
+        stride = num_pad_slots * PAD_ROWS_PER_SLOT
 
         @pl.when(first < num_rows)
         def _zero():
             o_smem.at[wg][...] = jnp.zeros((BLOCK_Q, head_dim), dtype)
             plgpu.commit_smem()
-            for h in range(group):  # warpgroup wg zeroes heads wg, wg + compute_wgs, ... of the group
-                @pl.when(wg == h % compute_wgs)
-                def _head(h=h):
-                    for c in range(PAD_ROWS_PER_SLOT // BLOCK_Q):
-                        row = first + c * BLOCK_Q
-                        _store_rows(o_smem.at[wg], o_ref, row, 0, jnp.clip(num_rows - row, 0, BLOCK_Q),
-                                    kv_head * group + h)
+
+            @pl.loop(0, lax.div(num_rows - first + stride - 1, jnp.int32(stride)))
+            def _round(r):
+                for h in range(group):  # warpgroup wg zeroes heads wg, wg + compute_wgs, ... of the group
+                    @pl.when(wg == h % compute_wgs)
+                    def _head(h=h):
+                        for c in range(PAD_ROWS_PER_SLOT // BLOCK_Q):
+                            row = first + r * stride + c * BLOCK_Q
+                            _store_rows(o_smem.at[wg], o_ref, row, 0, jnp.clip(num_rows - row, 0, BLOCK_Q),
+                                        kv_head * group + h)
+
             plgpu.wait_smem_to_gmem(0)
 
 
@@ -333,8 +342,9 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group:
 
 def num_work_slots(num_tokens: int, num_seqs: int, max_seqlen: int, group: int, compute_wgs: int) -> int:
     """A static bound on the programs ``_work_list`` hands out: Σ_b cdiv(tiles_b · group, compute_wgs), with
-    ``tiles_b ≤ len_b / 64 + 2`` and ``tiles_b ≤ _tiles_per_seq(max_seqlen)``."""
-    tiles = pl.cdiv(num_tokens, BLOCK_Q) + 2 * num_seqs
+    ``tiles_b = cdiv(len_b + shift_b, 64) ≤ (len_b + 7 + 63) / 64`` and ``tiles_b ≤ _tiles_per_seq(max_seqlen)``.
+    A slot past the last program still launches (and exits): the bound is kept tight."""
+    tiles = (num_tokens + (BLOCK_Q - 1 + ROW_ALIGN - 1) * num_seqs) // BLOCK_Q
     rounding = 0 if group % compute_wgs == 0 else num_seqs  # a request's last program may be part-filled
     return min(pl.cdiv(tiles * group, compute_wgs) + rounding,
                num_seqs * pl.cdiv(_tiles_per_seq(max_seqlen) * group, compute_wgs))
@@ -393,9 +403,9 @@ def _stage_kv(k, v, cu_seqlens, block_kv: int, interpret: bool):
     return (k_staged.reshape(-1, num_kv_heads, head_dim), v_staged.reshape(-1, num_kv_heads, head_dim), kv_stage)
 
 
-def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, *, num_slots: int, causal: bool,
-                 scale: float, return_lse: bool, interpret: bool, block_kv: int, max_concurrent_steps: int,
-                 registers: tuple[int, int], compute_wgs: int):
+def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, *, num_slots: int,
+                 causal: bool, scale: float, return_lse: bool, interpret: bool, block_kv: int,
+                 max_concurrent_steps: int, registers: tuple[int, int], compute_wgs: int):
     """The kernel on K/V (rows in whole 8-row groups), their staged windows and a work list: ``out [T, Hq, D]``,
     ``lse_tiles f32[num_slots, Hkv, W, 64]``."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -412,10 +422,11 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
          plgpu.Barrier(num_barriers=max_concurrent_steps)),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2,
     )
+    num_pad_slots = min(pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT), MAX_PAD_SLOTS)
     body = functools.partial(
-        _kernel, group=num_q_heads // num_kv_heads, num_work_slots=num_slots, block_kv=block_kv,
-        mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E, compiled=not interpret,
-        q_tiled_tma=num_tokens % ROW_ALIGN == 0, registers=registers, compute_wgs=compute_wgs)
+        _kernel, group=num_q_heads // num_kv_heads, num_work_slots=num_slots, num_pad_slots=num_pad_slots,
+        block_kv=block_kv, mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E,
+        compiled=not interpret, q_tiled_tma=num_tokens % ROW_ALIGN == 0, registers=registers, compute_wgs=compute_wgs)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -427,7 +438,6 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_params = InterpretGPUParams()
-    num_pad_slots = pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT)
     # The KV heads of one work slot launch together (grid x); a request's consecutive programs, which read the same
     # K/V tiles, follow in the next rows of the heaviest-first list (L2).
     return plgpu.kernel(
@@ -460,9 +470,10 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     if num_tokens % ROW_ALIGN:  # a TMA into tiled shared memory reads whole 8-row groups of K/V
         k, v = (jnp.pad(x, ((0, -num_tokens % ROW_ALIGN), (0, 0), (0, 0))) for x in (k, v))
     out, lse_tiles = _call_kernel(
-        q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots, causal=causal, scale=scale,
-        return_lse=return_lse, interpret=interpret, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
-        registers=registers or REGISTERS[compute_wgs], compute_wgs=compute_wgs)
+        q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots,
+        causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, block_kv=block_kv,
+        max_concurrent_steps=max_concurrent_steps, registers=registers or REGISTERS[compute_wgs],
+        compute_wgs=compute_wgs)
     if not return_lse:
         return out, None
     token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row

@@ -101,6 +101,20 @@ def test_isolation_under_nan(rng, pad):
     np.testing.assert_array_equal(other_lse[keep], base_lse[keep])
 
 
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
+def test_padding_rounds(rng, monkeypatch):
+    """With fewer padding programs than 512-row chunks of padding (MAX_PAD_SLOTS), each loops over rounds: every
+    padding row still comes out 0 and the requests' rows stay right."""
+    from pallas_attn import prefill_mosaic
+    monkeypatch.setattr(prefill_mosaic, "MAX_PAD_SLOTS", 1)  # shapes no other test uses: a fresh trace
+    lens = [37, 9]
+    q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16, pad=1100)  # 3 rounds of one program
+    out = np.asarray(varlen_attention(q, k, v, cu, max_seqlen=64, backend="mosaic"), np.float32)
+    n = sum(lens)
+    assert np.all(out[n:] == 0)
+    assert_attention_close(out, reference.varlen_attention(q, k, v, cu), dtype=jnp.bfloat16, valid_rows=n)
+
+
 @pytest.mark.parametrize("kw, shapes, match", [
     (dict(), ((8, 4, 64), (8, 2, 64), jnp.float32), "dtype float32"),
     (dict(), ((8, 4, 96), (8, 2, 96), jnp.bfloat16), "head_dim 96"),
