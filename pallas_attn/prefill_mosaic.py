@@ -39,11 +39,12 @@ Pallas:
 * LSE (natural log) goes to a buffer ``[work slots, Hkv, 3, 64]`` (a 64-wide TMA store per item; ∝ T) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
-Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; the tenth session's harness run,
-``benchmarks/results/…-session10-harness.json``): P1 532.5 TFLOP/s (cuDNN packed 520.4, JAX's attention_mgpu
-496.3 in six dense calls, Triton kernel 401.8), P2 631.6 (attention_mgpu 581.4, cuDNN 550.4, Triton 455.2); the
-two-warpgroup FA3 schedule it replaced ran 520.6 / 580.0 in the same call's probe. Triton stays faster for the
-shortest requests (256 × 128 tokens: 0.513 vs 0.810 ms), which the default rule leaves to it.
+Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; the eleventh session's harness run,
+``benchmarks/results/…-session11-harness-05.json``): P1 563.7 TFLOP/s (cuDNN packed 523.0, JAX's attention_mgpu
+505.5 in six dense calls, Triton kernel 403.3), P2 649.3 (attention_mgpu 586.8, cuDNN 565.2, Triton 458.2); a
+second run 562.3 / 646.3. The two-warpgroup FA3 schedule it replaced ran 520.6 / 580.0 in a tenth-session probe.
+Triton stays faster for the shortest requests (256 × 128 tokens: 0.513 vs 0.810 ms), which the default rule leaves
+to it.
 
 Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. Its limits
 (jax 0.11.2): wgmma's A operand must be in shared memory (P goes through a scratch buffer there), pl.run_state
