@@ -29,7 +29,8 @@ Pallas:
   tile in one TMA, a partial one in at most six of 32, 16, …, 1 rows from the untiled O view). A query row of
   another request, even NaN, only makes its own score row garbage. When ``T`` is not a multiple of 8 (the tiled
   TMA descriptor needs whole 8-row groups), Q lands in the untiled view and is re-laid out through registers
-  instead. Padding rows (past ``cu_seqlens[-1]``) are zeroed by extra programs, 512 rows each.
+  instead. Padding rows (past ``cu_seqlens[-1]``) are zeroed by at most 16 extra programs per KV head, 512 rows
+  a round.
 * K/V are read in place where they can be: request ``b``'s window ``j`` is its keys ``128 · [j, j + 1)``, packed
   rows ``cu_seqlens[b] + 128 j`` onwards, which a TMA into tiled shared memory can read when ``cu_seqlens[b]`` is
   a multiple of 8 and the window ends inside the request. The others are staged, zero-filled past the request's
