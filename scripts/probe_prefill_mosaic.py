@@ -60,10 +60,10 @@ def variant_impl(variant: str):
     A/B runs in ``scripts/_baseline_prefill_mosaic.py`` (uncommitted: ``git show HEAD:pallas_attn/prefill_mosaic.py``);
     "mod:NAME": another uncommitted copy, ``scripts/_NAME.py`` (a diagnostic change, e.g. one stage left out)."""
     module = prefill_mosaic
-    if "base" in variant.split("+"):
-        import _baseline_prefill_mosaic as module
     for item in variant.split("+"):
-        if item.startswith("mod:"):  # an uncommitted copy of the kernel with a diagnostic change, scripts/_NAME.py
+        if item == "base":
+            module = importlib.import_module("_baseline_prefill_mosaic")
+        elif item.startswith("mod:"):  # an uncommitted copy of the kernel with a diagnostic change, scripts/_NAME.py
             module = importlib.import_module("_" + item[4:])
     return functools.partial(module.varlen_attention_mosaic, **knobs(variant))
 

@@ -2,7 +2,7 @@
 
 Timing: jit, 3 warm-up calls, then the median over 7 repeats of (20 back-to-back calls, one block_until_ready) / 20.
 """
-import json, os, sys, time, itertools, math
+import json, os, sys, time, itertools
 import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, ".")
 from pallas_attn import varlen_attention, paged_decode_attention, paged_attention, sparse_mla_attention

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
