@@ -42,7 +42,8 @@ WORKLOADS = {"P1": (P1, 128, True), "P2": ([32768], 128, True),
 # Mosaic tuning variants, timed on every workload asked for, e.g. VARIANTS="wgs=2,regs=240/24+bkv=128,base": the
 # kernel's knobs, "+"-joined
 VARIANTS = [v for v in os.environ.get("VARIANTS", "").split(",") if v]
-KNOBS = {"bkv": "block_kv", "mcs": "max_concurrent_steps", "regs": "registers", "wgs": "compute_wgs"}
+KNOBS = {"bkv": "block_kv", "mcs": "max_concurrent_steps", "regs": "registers", "wgs": "compute_wgs",
+         "cl": "cluster"}
 
 
 def knobs(variant: str) -> dict:

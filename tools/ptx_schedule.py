@@ -7,7 +7,9 @@ the device's own ptxas: the H200 image compiles with CUDA 13.0 (jax-cuda13-plugi
 source view on the device, instruction for instruction, where the ptxas 12.9 of the ``triton`` wheel put the waits
 elsewhere). Prints ptxas's performance warnings (C7513: wgmma serialised), registers and spills, and for every
 ``wait_group 1`` (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) how many MUFU.EX2 instructions run before the next full wait:
-in an intra-warpgroup overlap the softmax's exp2s belong there, under the in-flight P · V. Costs no device time.
+in an intra-warpgroup overlap the softmax's exp2s belong there, under the in-flight P · V; and per K/V step loop
+(a loop with HGMMAs) its instructions and the spill loads/stores ptxas put in it. Costs no device time. cuobjdump
+comes from PATH, the ``nvidia-cuda-cuobjdump`` wheel (with ``nvidia-cuda-nvdisasm``) or the triton wheel.
 
     python tools/ptx_schedule.py entry_0.ptx [--sass out.sass] [--ptxas PATH]
 """
@@ -15,8 +17,10 @@ in an intra-warpgroup overlap the softmax's exp2s belong there, under the in-fli
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +34,23 @@ def triton_bin(name: str) -> str:
     import triton
 
     return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def cuobjdump() -> str:
+    """cuobjdump from PATH, the ``nvidia-cuda-cuobjdump`` wheel (``pip install nvidia-cuda-cuobjdump``) or the
+    triton wheel, whichever is found first."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia.cu13  # the nvidia-cuda-cuobjdump wheel's namespace package
+
+        for root in nvidia.cu13.__path__:
+            if (path := pathlib.Path(root, "bin", "cuobjdump")).exists():
+                return str(path)
+    except ImportError:
+        pass
+    return triton_bin("cuobjdump")
 
 
 def main(argv=None) -> int:
@@ -52,8 +73,10 @@ def main(argv=None) -> int:
         if log.returncode:
             print(log.stderr, file=sys.stderr)
             return 1
-        sass = subprocess.run([triton_bin("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
+        tool = cuobjdump()  # it runs nvdisasm, which the wheels install next to it
+        env = dict(os.environ, PATH=os.pathsep.join([str(pathlib.Path(tool).parent), os.environ.get("PATH", "")]))
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True,
+                              env=env).stdout
     for line in log.stderr.splitlines():
         if re.search(r"C7\d\d\d|registers|spill", line):
             print(line.strip())
@@ -69,7 +92,30 @@ def main(argv=None) -> int:
                 break
             exp2 += "MUFU.EX2" in later
         print(f"{line.split('*/')[0].strip()}*/ wait_group 1: {exp2} MUFU.EX2 before the next full wait")
+    for row in matmul_loops(sass):
+        print(row)
     return 0
+
+
+def matmul_loops(sass: str) -> list[str]:
+    """One line per loop with an HGMMA (a backward branch's span: the K/V step loops): its instructions, HGMMAs,
+    MUFU.EX2s and the local-memory spill traffic ptxas put there (STL / LDL, each address), per trip."""
+    body = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    rows = []
+    for n, (addr, ins) in enumerate(body):
+        branch = re.search(r"\bBRA (0x[0-9a-f]+)", ins)
+        if not branch or int(branch[1], 16) >= addr:
+            continue
+        if any("SYNCS.PHASECHK" in i for _, i in body[max(n - 4, 0):n]):
+            continue  # a barrier wait's out-of-line retry, jumping back into the code it came from: not a loop
+        loop = [(a, i) for a, i in body if int(branch[1], 16) <= a <= addr]
+        count = lambda op: sum(i.split()[0 if not i.startswith("@") else 1].startswith(op) for _, i in loop)  # noqa: E731
+        if not count("HGMMA"):
+            continue
+        spills = [f"{op} @{a:#x}" for a, i in loop for op in ("STL", "LDL") if f" {op}" in f" {i}"]
+        rows.append(f"loop {int(branch[1], 16):#x}-{addr:#x}: {len(loop)} instructions, {count('HGMMA')} HGMMA, "
+                    f"{count('MUFU.EX2')} MUFU.EX2, spills: {', '.join(spills) or 'none'}")
+    return rows
 
 
 if __name__ == "__main__":
