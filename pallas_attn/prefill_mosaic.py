@@ -77,6 +77,10 @@ REGISTERS = {2: (232, 40), 3: (160, 24)}
 # Programs per cluster: a pair (2) shares each K/V window, each CTA loading half of it by TMA multicast into both
 # (half the L2 → SM traffic; the pair runs in lock step). A probe knob: 1 is the measured default.
 CLUSTER = 1
+# Column blocks in which a step's exponentials are summed and packed to bf16 (P · V's operand), each block before
+# the next one's exponentials: the program order then keeps one block of float32 P live instead of all of it, the
+# peak that spills (see REGISTERS). A probe knob: 1 is the measured default.
+P_CHUNKS = 1
 BLOCK_KV = 128  # keys per K/V slot; a third slot (max_concurrent_steps=3) overflows shared memory at D 128
 ROW_ALIGN = 8  # TMA into (8, 64)-tiled shared memory: a tile's packed row offset must be a provable multiple of 8
 PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # padding rows a program zeroes per round (rows past cu_seqlens[-1] must come out 0)
@@ -114,7 +118,7 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
 def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref, k_staged_ref,
             v_staged_ref, o_ref, lse_ref, scoped, *, group: int, num_work_slots: int, num_pad_slots: int,
             block_kv: int, mcs: int, causal: bool, scale2: float, compiled: bool, q_tiled_tma: bool,
-            registers: tuple[int, int], compute_wgs: int, cluster: int):
+            registers: tuple[int, int], compute_wgs: int, cluster: int, p_chunks: int):
     (q_and_o, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     q_smem, o_smem = q_and_o  # one buffer: a warpgroup's O is written after its last Q Kᵀ
     kv_head = lax.axis_index("heads")
@@ -222,11 +226,15 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
             release(k_free, j)
             if masked:
                 s = mask(j, s)
-            m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s, scale=scale2)
+            if p_chunks == 1:
+                m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s, scale=scale2)
+                p16 = p.astype(dtype)
+            else:  # exponentials summed and packed a column block at a time: fewer live float32 registers
+                m_i, alpha, p16, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, p_chunks, scale=scale2)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # The softmax and the rescale ahead of the wait for V (as JAX's attention_mgpu keeps them ahead of its
             # ping-pong's barriers): the schedule measured in benchmarks/NOTES.md, tenth session.
-            acc, m_i, l_i, p16 = lax.optimization_barrier((acc, m_i, l_i, p.astype(dtype)))
+            acc, m_i, l_i, p16 = lax.optimization_barrier((acc, m_i, l_i, p16))
             plgpu.barrier_wait(v_bar.at[slot])
             acc = pv_dot(j, p16, acc)
             release(v_free, j)
@@ -427,7 +435,8 @@ def _stage_kv(k, v, cu_seqlens, block_kv: int, interpret: bool):
 
 def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, *, num_slots: int,
                  causal: bool, scale: float, return_lse: bool, interpret: bool, block_kv: int,
-                 max_concurrent_steps: int, registers: tuple[int, int], compute_wgs: int, cluster: int = 1):
+                 max_concurrent_steps: int, registers: tuple[int, int], compute_wgs: int, cluster: int = 1,
+                 p_chunks: int = 1):
     """The kernel on K/V (rows in whole 8-row groups), their staged windows and a work list: ``out [T, Hq, D]``,
     ``lse_tiles f32[num_slots, Hkv, W, 64]``."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -452,7 +461,7 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
         _kernel, group=num_q_heads // num_kv_heads, num_work_slots=num_slots, num_pad_slots=num_pad_slots,
         block_kv=block_kv, mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E,
         compiled=not interpret, q_tiled_tma=num_tokens % ROW_ALIGN == 0, registers=registers, compute_wgs=compute_wgs,
-        cluster=cluster)
+        cluster=cluster, p_chunks=p_chunks)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -477,13 +486,13 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
 def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
                             interpret: bool, block_kv: int = BLOCK_KV, max_concurrent_steps: int = 2,
                             registers: tuple[int, int] | None = None, compute_wgs: int = COMPUTE_WGS,
-                            cluster: int = CLUSTER):
+                            cluster: int = CLUSTER, p_chunks: int = P_CHUNKS):
     """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`.
 
     ``block_kv`` (keys per K/V slot), ``max_concurrent_steps`` (slots), ``compute_wgs`` (compute warpgroups: items
     per program, 2 or 3), ``registers`` (per thread: compute, memory warpgroup; default ``REGISTERS``) and
-    ``cluster`` (programs sharing K/V loads, 1 or 2: see ``CLUSTER``) are tuning knobs for the probe, not public
-    API."""
+    ``cluster`` (programs sharing K/V loads, 1 or 2: see ``CLUSTER``) and ``p_chunks`` (see ``P_CHUNKS``) are
+    tuning knobs for the probe, not public API."""
     reason = supported(q, k)
     if reason is not None:
         raise ValueError(f"the Mosaic prefill does not support {reason}")
@@ -491,6 +500,8 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         raise ValueError(f"compute_wgs must be one of {sorted(REGISTERS)}, got {compute_wgs}")
     if cluster not in (1, 2):
         raise ValueError(f"cluster must be 1 or 2, got {cluster}")
+    if block_kv % (8 * p_chunks):  # a column block of the wgmma layout is whole 8-column tiles
+        raise ValueError(f"p_chunks must split block_kv {block_kv} into multiples of 8 columns, got {p_chunks}")
     num_tokens, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
@@ -504,7 +515,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots,
         causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, block_kv=block_kv,
         max_concurrent_steps=max_concurrent_steps, registers=registers or REGISTERS[compute_wgs],
-        compute_wgs=compute_wgs, cluster=cluster)
+        compute_wgs=compute_wgs, cluster=cluster, p_chunks=p_chunks)
     if not return_lse:
         return out, None
     token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row

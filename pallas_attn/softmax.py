@@ -49,13 +49,38 @@ def softmax_update(m, l, s2, exp2=jnp.exp2, scale=None):
     Returns:
       ``(m_new, alpha [M], p [M, N] f32, l_new)``: the accumulator is to be scaled by ``alpha`` and ``p @ v`` added.
     """
+    m_new, m_safe, alpha = _new_max(m, s2, exp2, scale)
+    p = exp2(_exponent(s2, m_safe, scale))  # [M, N]; masked entries are exp2(-inf) = 0
+    return m_new, alpha, p, alpha * l + jnp.sum(p, axis=1)
+
+
+def softmax_update_packed(m, l, s2, dtype, chunks: int, exp2=jnp.exp2, scale=None):
+    """:func:`softmax_update` with ``p`` returned in ``dtype`` (the ``P @ V`` operand), its exponentials taken
+    ``chunks`` column blocks at a time: each block is summed and packed before the next block's exponentials, so
+    the program order keeps one block of float32 ``p`` live beside the raw scores instead of all of it (a register
+    knob for the compiled kernels; the same numbers up to the row sum's order).
+
+    Returns ``(m_new, alpha [M], p [M, N] dtype, l_new)``."""
+    m_new, m_safe, alpha = _new_max(m, s2, exp2, scale)
+    width = s2.shape[1] // chunks
+    l_new, packed = alpha * l, []
+    for c in range(chunks):
+        p = exp2(_exponent(s2[:, c * width:(c + 1) * width], m_safe, scale))
+        l_new = l_new + jnp.sum(p, axis=1)
+        packed.append(p.astype(dtype))
+    return m_new, alpha, jnp.concatenate(packed, axis=1), l_new
+
+
+def _new_max(m, s2, exp2, scale):
+    """``(m_new, m_safe, alpha)`` for :func:`softmax_update`: the running max, its NaN-safe twin and the rescale."""
     row_max = jnp.max(s2, axis=1)
     m_new = jnp.maximum(m, row_max if scale is None else row_max * scale)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet: exponents against 0
-    alpha = exp2(m - m_safe)  # [M]; 0 for a row's first visible tile (m = -inf)
-    exponent = s2 - m_safe[:, None] if scale is None else s2 * scale - m_safe[:, None]
-    p = exp2(exponent)  # [M, N]; masked entries are exp2(-inf) = 0
-    return m_new, alpha, p, alpha * l + jnp.sum(p, axis=1)
+    return m_new, m_safe, exp2(m - m_safe)  # alpha [M]: 0 for a row's first visible tile (m = -inf)
+
+
+def _exponent(s2, m_safe, scale):
+    return s2 - m_safe[:, None] if scale is None else s2 * scale - m_safe[:, None]
 
 
 def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2):

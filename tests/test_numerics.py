@@ -105,3 +105,28 @@ def test_softmax_update_with_folded_scale_matches_prescaled(scale):
         assert not np.isnan(got).any()
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
     assert np.all(np.asarray(folded[2])[5] == 0) and np.asarray(folded[3])[5] == 0
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("scale", [None, 0.088 * 1.4427])
+def test_softmax_update_packed_matches_softmax_update(chunks, scale):
+    """``softmax_update_packed`` (the Mosaic prefill's ``p_chunks`` knob: exponentials summed and packed a column
+    block at a time) against ``softmax_update``: the running max and alpha bit for bit, ``p`` the same bf16 values,
+    the row sum to float32 rounding; a masked block and a row with no visible key stay 0, never NaN."""
+    rng = np.random.default_rng(1)
+    s = rng.normal(0, 4, (8, 64)).astype(np.float32)
+    s[2, 20:] = -np.inf  # a diagonal tile's mask, across block boundaries
+    s[5] = -np.inf
+    m = np.where(np.arange(8) % 3 == 0, -np.inf, rng.normal(0, 2, 8)).astype(np.float32)
+    m[5] = -np.inf
+    l = np.where(m == -np.inf, 0.0, rng.uniform(1, 5, 8)).astype(np.float32)
+    args = (jnp.asarray(m), jnp.asarray(l), jnp.asarray(s))
+    m_new, alpha, p16, l_new = softmax.softmax_update_packed(*args, jnp.bfloat16, chunks, scale=scale)
+    want_m, want_alpha, want_p, want_l = softmax.softmax_update(*args, scale=scale)
+    np.testing.assert_array_equal(np.asarray(m_new), np.asarray(want_m))
+    np.testing.assert_array_equal(np.asarray(alpha), np.asarray(want_alpha))
+    assert p16.dtype == jnp.bfloat16 and p16.shape == s.shape
+    np.testing.assert_array_equal(np.asarray(p16, np.float32), np.asarray(want_p.astype(jnp.bfloat16), np.float32))
+    assert not np.isnan(np.asarray(l_new)).any()
+    np.testing.assert_allclose(np.asarray(l_new), np.asarray(want_l), rtol=2e-6, atol=0)
+    assert np.all(np.asarray(p16, np.float32)[5] == 0) and np.asarray(l_new)[5] == 0

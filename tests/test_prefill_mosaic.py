@@ -136,10 +136,11 @@ def test_config_is_triton_only():
                          config=PrefillConfig())
 
 
-@pytest.mark.parametrize("head_dim, causal, return_lse, num_tokens, cluster",
-                         [(128, True, True, 8192, 1), (64, False, False, 8195, 1),  # 8195: not whole 8-row groups
-                          (128, True, True, 8192, 2)])  # cluster pairs: the multicast copies' split
-def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, cluster):
+@pytest.mark.parametrize("head_dim, causal, return_lse, num_tokens, knobs",
+                         [(128, True, True, 8192, {}), (64, False, False, 8195, {}),  # 8195: not whole 8-row groups
+                          (128, True, True, 8192, {"cluster": 2}),  # cluster pairs: the multicast copies' split
+                          (128, True, False, 8192, {"p_chunks": 4})])  # P in column blocks: wgmma-layout slices
+def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, knobs):
     """The compiled path's lowering (wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked without a GPU at a
     P1-sized shape: what the interpreter does not exercise (tiling/alignment proofs, layouts, multicast) fails
     here."""
@@ -149,9 +150,9 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, cluster):
             s((num_tokens, 8, head_dim), jnp.bfloat16), s((17,), jnp.int32))
     f = functools.partial(varlen_attention, max_seqlen=4096, causal=causal, return_lse=return_lse, interpret=False,
                           backend="mosaic")
-    if cluster > 1:  # a probe knob, not in the public signature
+    if knobs:  # the probe's knobs, not in the public signature
         f = functools.partial(prefill_mosaic.varlen_attention_mosaic, max_seqlen=4096, causal=causal,
-                              scale=head_dim ** -0.5, return_lse=return_lse, interpret=False, cluster=cluster)
+                              scale=head_dim ** -0.5, return_lse=return_lse, interpret=False, **knobs)
     text = _lower(f, *args)  # an abstract H200: the staging copy is a Triton kernel, which needs its sm version
     assert "mosaic_gpu" in text
 
@@ -279,6 +280,22 @@ def test_cluster_pair(rng, lens, hq, hkv, causal):
     assert_attention_close(out, ref_out, dtype=jnp.bfloat16, valid_rows=n)
     np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(out, np.float32)[n:] == 0)
+
+
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
+def test_p_chunks(rng):
+    """``p_chunks=2`` (a probe knob): a step's exponentials summed and packed a column block at a time, the halves
+    joined for one P · V; masked diagonal tiles and a request shorter than a block included."""
+    from pallas_attn import backend, prefill_mosaic
+    lens = [130, 1, 70]
+    q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16)
+    out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=True,
+                                                      scale=64 ** -0.5, return_lse=True,
+                                                      interpret=backend.resolve_interpret(None), p_chunks=2)
+    ref_out, ref_lse = reference.varlen_attention(q, k, v, cu, return_lse=True)
+    n = sum(lens)
+    assert_attention_close(out, ref_out, dtype=jnp.bfloat16, valid_rows=n)
+    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
