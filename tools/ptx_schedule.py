@@ -109,7 +109,9 @@ def matmul_loops(sass: str) -> list[str]:
         if any("SYNCS.PHASECHK" in i for _, i in body[max(n - 4, 0):n]):
             continue  # a barrier wait's out-of-line retry, jumping back into the code it came from: not a loop
         loop = [(a, i) for a, i in body if int(branch[1], 16) <= a <= addr]
-        count = lambda op: sum(i.split()[0 if not i.startswith("@") else 1].startswith(op) for _, i in loop)  # noqa: E731
+        def count(op):
+            return sum(i.split()[1 if i.startswith("@") else 0].startswith(op) for _, i in loop)  # past a predicate
+
         if not count("HGMMA"):
             continue
         spills = [f"{op} @{a:#x}" for a, i in loop for op in ("STL", "LDL") if f" {op}" in f" {i}"]
