@@ -124,7 +124,7 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
     kv_head = lax.axis_index("heads")
     # work slot w: slots cluster · c + [0, cluster) are the programs of cluster c, items of one request
     pair = lax.axis_index("pair") if cluster > 1 else 0
-    w = lax.axis_index("work") * cluster + pair
+    w = lax.axis_index("work") * cluster + pair if cluster > 1 else lax.axis_index("work")
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
@@ -228,13 +228,13 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
                 s = mask(j, s)
             if p_chunks == 1:
                 m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s, scale=scale2)
-                p16 = p.astype(dtype)
             else:  # exponentials summed and packed a column block at a time: fewer live float32 registers
-                m_i, alpha, p16, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, p_chunks, scale=scale2)
+                m_i, alpha, p, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, p_chunks, scale=scale2)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # The softmax and the rescale ahead of the wait for V (as JAX's attention_mgpu keeps them ahead of its
-            # ping-pong's barriers): the schedule measured in benchmarks/NOTES.md, tenth session.
-            acc, m_i, l_i, p16 = lax.optimization_barrier((acc, m_i, l_i, p16))
+            # ping-pong's barriers): the schedule measured in benchmarks/NOTES.md, tenth session. (The program order
+            # decides ptxas's: P is packed after the rescale, as measured.)
+            acc, m_i, l_i, p16 = lax.optimization_barrier((acc, m_i, l_i, p.astype(dtype)))
             plgpu.barrier_wait(v_bar.at[slot])
             acc = pv_dot(j, p16, acc)
             release(v_free, j)
