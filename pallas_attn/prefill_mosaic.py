@@ -122,9 +122,10 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
     (q_and_o, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     q_smem, o_smem = q_and_o  # one buffer: a warpgroup's O is written after its last Q Kᵀ
     kv_head = lax.axis_index("heads")
-    # work slot w: slots cluster · c + [0, cluster) are the programs of cluster c, items of one request
-    pair = lax.axis_index("pair") if cluster > 1 else 0
-    w = lax.axis_index("work") * cluster + pair if cluster > 1 else lax.axis_index("work")
+    w, pair = lax.axis_index("work"), 0
+    if cluster > 1:  # work slots cluster · c + [0, cluster) are the programs of cluster c, items of one request
+        pair = lax.axis_index("pair")
+        w = w * cluster + pair
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
@@ -456,7 +457,7 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
         (plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=compute_wgs, num_barriers=max_concurrent_steps)
          if cluster > 1 else plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2,
     )
-    num_pad_slots = -(-min(pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT), MAX_PAD_SLOTS) // cluster) * cluster
+    num_pad_slots = pl.cdiv(min(pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT), MAX_PAD_SLOTS), cluster) * cluster
     body = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, num_work_slots=num_slots, num_pad_slots=num_pad_slots,
         block_kv=block_kv, mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E,
@@ -490,7 +491,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`.
 
     ``block_kv`` (keys per K/V slot), ``max_concurrent_steps`` (slots), ``compute_wgs`` (compute warpgroups: items
-    per program, 2 or 3), ``registers`` (per thread: compute, memory warpgroup; default ``REGISTERS``) and
+    per program, 2 or 3), ``registers`` (per thread: compute, memory warpgroup; default ``REGISTERS``),
     ``cluster`` (programs sharing K/V loads, 1 or 2: see ``CLUSTER``) and ``p_chunks`` (see ``P_CHUNKS``) are
     tuning knobs for the probe, not public API."""
     reason = supported(q, k)
@@ -500,7 +501,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         raise ValueError(f"compute_wgs must be one of {sorted(REGISTERS)}, got {compute_wgs}")
     if cluster not in (1, 2):
         raise ValueError(f"cluster must be 1 or 2, got {cluster}")
-    if block_kv % (8 * p_chunks):  # a column block of the wgmma layout is whole 8-column tiles
+    if p_chunks < 1 or block_kv % (8 * p_chunks):  # a column block of the wgmma layout is whole 8-column tiles
         raise ValueError(f"p_chunks must split block_kv {block_kv} into multiples of 8 columns, got {p_chunks}")
     num_tokens, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
