@@ -85,18 +85,24 @@ def test_no_nan_from_empty_rows_splits_and_tiles():
     assert np.all(lse[2] == -np.inf) and np.isfinite(lse[:2]).all()
 
 
+def _softmax_state(rng, cols: int, mask_from: int):
+    """``(m [8], l [8], s [8, cols])`` for one softmax step: row 2 masked from column ``mask_from`` (a diagonal tile),
+    row 5 sees no key (its m stays -inf, l 0), every third row meets its first tile (m = -inf)."""
+    s = rng.normal(0, 4, (8, cols)).astype(np.float32)
+    s[2, mask_from:] = -np.inf
+    s[5] = -np.inf
+    m = np.where(np.arange(8) % 3 == 0, -np.inf, rng.normal(0, 2, 8)).astype(np.float32)
+    m[5] = -np.inf
+    l = np.where(m == -np.inf, 0.0, rng.uniform(1, 5, 8)).astype(np.float32)
+    return m, l, s
+
+
 @pytest.mark.parametrize("scale", [0.088 * 1.4427, 1.0 / 3.0, 7.5])
 def test_softmax_update_with_folded_scale_matches_prescaled(scale):
     """``softmax_update(..., scale=c)`` on raw scores (the Mosaic prefill's form: the row max on raw scores, the scale
     in the exponent's FMA) against the same update on pre-scaled scores: the running max bit for bit, the rest to
     float32 rounding; masked entries and a fully masked row (first tile: m = -inf) give p = 0, never NaN."""
-    rng = np.random.default_rng(0)
-    s = rng.normal(0, 4, (8, 32)).astype(np.float32)
-    s[2, 5:] = -np.inf  # a diagonal tile's mask
-    s[5] = -np.inf  # a row that sees no key of this tile
-    m = np.where(np.arange(8) % 3 == 0, -np.inf, rng.normal(0, 2, 8)).astype(np.float32)  # some rows' first tile
-    m[5] = -np.inf
-    l = np.where(m == -np.inf, 0.0, rng.uniform(1, 5, 8)).astype(np.float32)
+    m, l, s = _softmax_state(np.random.default_rng(0), cols=32, mask_from=5)
     folded = softmax.softmax_update(jnp.asarray(m), jnp.asarray(l), jnp.asarray(s), scale=scale)
     prescaled = softmax.softmax_update(jnp.asarray(m), jnp.asarray(l), jnp.asarray(s * np.float32(scale)))
     np.testing.assert_array_equal(np.asarray(folded[0]), np.asarray(prescaled[0]))  # m_new
@@ -113,13 +119,7 @@ def test_softmax_update_packed_matches_softmax_update(chunks, scale):
     """``softmax_update_packed`` (the Mosaic prefill's ``p_chunks`` knob: exponentials summed and packed a column
     block at a time) against ``softmax_update``: the running max and alpha bit for bit, ``p`` the same bf16 values,
     the row sum to float32 rounding; a masked block and a row with no visible key stay 0, never NaN."""
-    rng = np.random.default_rng(1)
-    s = rng.normal(0, 4, (8, 64)).astype(np.float32)
-    s[2, 20:] = -np.inf  # a diagonal tile's mask, across block boundaries
-    s[5] = -np.inf
-    m = np.where(np.arange(8) % 3 == 0, -np.inf, rng.normal(0, 2, 8)).astype(np.float32)
-    m[5] = -np.inf
-    l = np.where(m == -np.inf, 0.0, rng.uniform(1, 5, 8)).astype(np.float32)
+    m, l, s = _softmax_state(np.random.default_rng(1), cols=64, mask_from=20)  # the mask crosses blocks
     args = (jnp.asarray(m), jnp.asarray(l), jnp.asarray(s))
     m_new, alpha, p16, l_new = softmax.softmax_update_packed(*args, jnp.bfloat16, chunks, scale=scale)
     want_m, want_alpha, want_p, want_l = softmax.softmax_update(*args, scale=scale)
