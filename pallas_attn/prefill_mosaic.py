@@ -16,9 +16,10 @@ Pallas:
   a ring of two shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers (K and V of a slot
   refilled apart). The compute warpgroups run free, without turns: while one runs its softmax, the tensor cores
   have the other two's matmuls (FA3 needs a ping-pong and an intra-warpgroup overlap to hide the softmax behind
-  one other warpgroup; a third hides it plainly, at 160 registers a thread). A warpgroup whose item has fewer
-  K/V steps than the program's longest (the next tile of a causal request has one more) releases the rest of the
-  slots without computing.
+  one other warpgroup; a third hides it plainly, at 160 registers a thread). A step's exponentials are summed and
+  packed to bf16 one half of the K/V tile at a time (``P_CHUNKS``), which keeps less of P live in float32 at 160
+  registers. A warpgroup whose item has fewer K/V steps than the program's longest (the next tile of a causal
+  request has one more) releases the rest of the slots without computing.
 * ``cu_seqlens`` is read inside the kernel. Full tiles (■, every key before the tile's first query) run with no
   mask code, diagonal tiles (△) are masked from request-local positions, future tiles (·) are never computed.
   Non-causal: only the last tile masks keys past the request.
@@ -43,7 +44,10 @@ Pallas:
 Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; the eleventh session's harness run,
 ``benchmarks/results/…-session11-harness-05.json``): P1 563.7 TFLOP/s (cuDNN packed 523.0, JAX's attention_mgpu
 505.5 in six dense calls, Triton kernel 403.3), P2 649.3 (attention_mgpu 586.8, cuDNN 565.2, Triton 458.2); a
-second run 562.3 / 646.3. The two-warpgroup FA3 schedule it replaced ran 520.6 / 580.0 in a tenth-session probe.
+second run 562.3 / 646.3. The thirteenth session's harness runs (``…-session13-harness-0*.json``; P in two column
+blocks from then on) gave P1 557.3 and 561.3, P2 646.8 and 642.7, with the eleventh session's kernel at 557.6 /
+642.3 on the board that day. The two-warpgroup FA3 schedule it replaced ran 520.6 / 580.0 in a tenth-session
+probe.
 Triton stays faster for the shortest requests (256 × 128 tokens: 0.513 vs 0.810 ms), which the default rule leaves
 to it.
 
@@ -72,15 +76,12 @@ BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 COMPUTE_WGS = 3  # items (query tile, head) per program, one per compute warpgroup
 # Per thread (compute, memory warpgroup), by compute warpgroups: W · compute + memory ≤ (W + 1) · 128, the
 # launch's share, or the compute warpgroups' increase never returns. At 3 × 160 ptxas spills 40 bytes (stores;
-# 44 loaded): 4 spill instructions a full K/V step (benchmarks/NOTES.md, twelfth session).
+# 44 loaded): 4 spill instructions a full K/V step (benchmarks/NOTES.md, twelfth session), with P_CHUNKS 1.
 REGISTERS = {2: (232, 40), 3: (160, 24)}
-# Programs per cluster: a pair (2) shares each K/V window, each CTA loading half of it by TMA multicast into both
-# (half the L2 → SM traffic; the pair runs in lock step). A probe knob: 1 is the measured default.
-CLUSTER = 1
 # Column blocks in which a step's exponentials are summed and packed to bf16 (P · V's operand), each block before
 # the next one's exponentials: the program order then keeps one block of float32 P live instead of all of it, the
-# peak that spills (see REGISTERS). A probe knob: 1 is the measured default.
-P_CHUNKS = 1
+# peak that spills (see REGISTERS). 2: measured in benchmarks/NOTES.md, thirteenth session.
+P_CHUNKS = 2
 BLOCK_KV = 128  # keys per K/V slot; a third slot (max_concurrent_steps=3) overflows shared memory at D 128
 ROW_ALIGN = 8  # TMA into (8, 64)-tiled shared memory: a tile's packed row offset must be a provable multiple of 8
 PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # padding rows a program zeroes per round (rows past cu_seqlens[-1] must come out 0)
@@ -118,14 +119,11 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
 def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref, k_staged_ref,
             v_staged_ref, o_ref, lse_ref, scoped, *, group: int, num_work_slots: int, num_pad_slots: int,
             block_kv: int, mcs: int, causal: bool, scale2: float, compiled: bool, q_tiled_tma: bool,
-            registers: tuple[int, int], compute_wgs: int, cluster: int, p_chunks: int):
+            registers: tuple[int, int], compute_wgs: int, p_chunks: int):
     (q_and_o, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     q_smem, o_smem = q_and_o  # one buffer: a warpgroup's O is written after its last Q Kᵀ
     kv_head = lax.axis_index("heads")
-    w, pair = lax.axis_index("work"), 0
-    if cluster > 1:  # work slots cluster · c + [0, cluster) are the programs of cluster c, items of one request
-        pair = lax.axis_index("pair")
-        w = w * cluster + pair
+    w = lax.axis_index("work")
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
@@ -158,11 +156,9 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
         return has, q_head, row0, q0, lo, hi, full_steps, jnp.where(has, kv_steps, 0)
 
     has_item, q_head, row0, q0, lo, hi, full_steps, kv_steps = item_of(wg)
-    # The memory warpgroup streams the K/V tiles of the cluster's longest item; a slot is refilled once every
-    # compute warpgroup of the cluster released it (those with fewer steps release the rest without computing: see
-    # _release_rest). The cluster's items are first_item - pair · compute_wgs + [0, cluster · compute_wgs).
-    cta_steps = functools.reduce(jnp.maximum, [item_of(i - pair * compute_wgs)[-1]
-                                               for i in range(cluster * compute_wgs)])
+    # The memory warpgroup streams the K/V tiles of the longest item; a slot is refilled once every compute
+    # warpgroup released it (those with fewer steps release the rest without computing: see _release_rest).
+    cta_steps = functools.reduce(jnp.maximum, [item_of(i)[-1] for i in range(compute_wgs)])
 
     def release(free, j):  # only steps the memory warpgroup refills (it waits for exactly those)
         pl.when(j + mcs < cta_steps)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j, jnp.int32(mcs))]))
@@ -272,7 +268,6 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
 
         # windows from first_staged on are staged windows staged0, staged0 + 1, ... (see _stage_kv); read once
         first_staged, staged0 = kv_stage_ref[2 * b], kv_stage_ref[2 * b + 1]
-        multicast = "pair" if cluster > 1 else None  # each CTA of the pair loads half a window into both
 
         def load(step, slot, k_ready=lambda: None, v_ready=lambda: None):
             """K/V window ``step`` into ``slot``, in place or staged; K and V each after its own release (a
@@ -282,13 +277,12 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
             def copy(packed, staged_ref, dst, bar):
                 @pl.when(jnp.logical_not(staged))
                 def _in_place():  # base == start here: its provable multiple of 8 is what the TMA needs
-                    plgpu.copy_gmem_to_smem(packed.at[pl.ds(base + step * block_kv, block_kv), kv_head], dst, bar,
-                                            collective_axes=multicast)
+                    plgpu.copy_gmem_to_smem(packed.at[pl.ds(base + step * block_kv, block_kv), kv_head], dst, bar)
 
                 @pl.when(staged)
                 def _staged():
                     rows = pl.ds((staged0 + step - first_staged) * block_kv, block_kv)
-                    plgpu.copy_gmem_to_smem(staged_ref.at[rows, kv_head], dst, bar, collective_axes=multicast)
+                    plgpu.copy_gmem_to_smem(staged_ref.at[rows, kv_head], dst, bar)
 
             k_ready()
             copy(k_ref, k_staged_ref, k_smem.at[slot], k_bar.at[slot])
@@ -335,50 +329,40 @@ def _tiles_per_seq(max_seqlen: int) -> int:
     return pl.cdiv(max(max_seqlen, 1) + ROW_ALIGN - 1, BLOCK_Q)
 
 
-def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group: int, compute_wgs: int,
-               cluster: int = 1):
-    """Programs' items, heaviest first: ``(request i32[num_slots], first item i32[num_slots], slot
-    i32[num_slots // cluster], cu_programs i32[num_seqs + 1], tiles i32[num_seqs])``; request -1 for unused slots.
+def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group: int, compute_wgs: int):
+    """Programs' items, heaviest first: ``(request i32[num_slots], first item i32[num_slots], slot i32[num_slots],
+    cu_programs i32[num_seqs + 1], tiles i32[num_seqs])``; request -1 for unused slots.
 
     Request ``b`` has ``tiles[b] = cdiv(len_b + cu_seqlens[b] % 8, 64)`` query tiles (its rows from ``cu_seqlens[b]``
     rounded down to 8) and, per KV head, ``tiles[b] · group`` items (tile ``item // group``, head ``item % group`` of
-    the group). Its clusters take ``cluster · compute_wgs`` consecutive items each, its programs ``compute_wgs``
-    (one per compute warpgroup): cluster ``c`` of request ``b`` is work slots ``cluster · slot[cu_programs[b] + c]``
-    onwards, one per program (all of request ``b``, also a program past its last item). Sorting by the keys a
-    cluster visits (longest first) gives the tail of the grid the short programs, wherever their request sits in
-    the batch."""
+    the group). Its programs take ``compute_wgs`` consecutive items each (one per compute warpgroup): program ``c``
+    of request ``b`` is work slot ``slot[cu_programs[b] + c]``. Sorting by the keys a program visits (longest first)
+    gives the tail of the grid the short programs, wherever their request sits in the batch."""
     starts, q_lens = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
     shift = starts % ROW_ALIGN
     # at most tiles_per_seq each: a request longer than max_seqlen (a broken contract) is truncated, and cannot push
     # other requests' tiles out of the static list
     n_tiles = jnp.where(q_lens > 0, jnp.minimum((q_lens + shift + BLOCK_Q - 1) // BLOCK_Q,
                                                 _tiles_per_seq(max_seqlen)), 0)
-    per_cluster = compute_wgs * cluster
-    n_clusters = (n_tiles * group + per_cluster - 1) // per_cluster
-    num_clusters = num_slots // cluster
-    req, index, cu_programs = metadata.segment_items(n_clusters, num_clusters)
+    n_programs = (n_tiles * group + compute_wgs - 1) // compute_wgs
+    req, program, cu_programs = metadata.segment_items(n_programs, num_slots)
     safe = jnp.maximum(req, 0)
-    first = index * per_cluster
-    end_tile = (jnp.minimum(first + per_cluster, n_tiles[safe] * group) - 1) // group + 1  # past its last item's
+    first = program * compute_wgs
+    end_tile = (jnp.minimum(first + compute_wgs, n_tiles[safe] * group) - 1) // group + 1  # past its last item's
     keys = jnp.minimum(end_tile * BLOCK_Q - shift[safe], q_lens[safe]) if causal else q_lens[safe]
     order = jnp.argsort(jnp.where(req >= 0, -keys, 1), stable=True)
-    slot = jnp.zeros((num_clusters,), jnp.int32).at[order].set(jnp.arange(num_clusters, dtype=jnp.int32))
-    pair = jnp.arange(cluster, dtype=jnp.int32)
-    return (jnp.repeat(req[order], cluster), (first[order][:, None] + pair * compute_wgs).reshape(-1), slot,
-            cu_programs, n_tiles)
+    slot = jnp.zeros((num_slots,), jnp.int32).at[order].set(jnp.arange(num_slots, dtype=jnp.int32))
+    return req[order], first[order], slot, cu_programs, n_tiles
 
 
-def num_work_slots(num_tokens: int, num_seqs: int, max_seqlen: int, group: int, compute_wgs: int,
-                   cluster: int = 1) -> int:
-    """A static bound on the programs ``_work_list`` hands out: ``cluster`` times Σ_b cdiv(tiles_b · group,
-    cluster · compute_wgs), with ``tiles_b = cdiv(len_b + shift_b, 64) ≤ (len_b + 7 + 63) / 64`` and ``tiles_b ≤
-    _tiles_per_seq(max_seqlen)``. A slot past the last program still launches (and exits): the bound is kept
-    tight."""
+def num_work_slots(num_tokens: int, num_seqs: int, max_seqlen: int, group: int, compute_wgs: int) -> int:
+    """A static bound on the programs ``_work_list`` hands out: Σ_b cdiv(tiles_b · group, compute_wgs), with
+    ``tiles_b = cdiv(len_b + shift_b, 64) ≤ (len_b + 7 + 63) / 64`` and ``tiles_b ≤ _tiles_per_seq(max_seqlen)``.
+    A slot past the last program still launches (and exits): the bound is kept tight."""
     tiles = (num_tokens + (BLOCK_Q - 1 + ROW_ALIGN - 1) * num_seqs) // BLOCK_Q
-    per_cluster = compute_wgs * cluster
-    rounding = 0 if group % per_cluster == 0 else num_seqs  # a request's last cluster may be part-filled
-    return cluster * min(pl.cdiv(tiles * group, per_cluster) + rounding,
-                         num_seqs * pl.cdiv(_tiles_per_seq(max_seqlen) * group, per_cluster))
+    rounding = 0 if group % compute_wgs == 0 else num_seqs  # a request's last program may be part-filled
+    return min(pl.cdiv(tiles * group, compute_wgs) + rounding,
+               num_seqs * pl.cdiv(_tiles_per_seq(max_seqlen) * group, compute_wgs))
 
 
 def _stage_kernel(src_ref, end_ref, k_ref, v_ref, k_staged_ref, v_staged_ref, *, block_kv: int, num_kv_heads: int,
@@ -436,8 +420,7 @@ def _stage_kv(k, v, cu_seqlens, block_kv: int, interpret: bool):
 
 def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, *, num_slots: int,
                  causal: bool, scale: float, return_lse: bool, interpret: bool, block_kv: int,
-                 max_concurrent_steps: int, registers: tuple[int, int], compute_wgs: int, cluster: int = 1,
-                 p_chunks: int = 1):
+                 max_concurrent_steps: int, registers: tuple[int, int], compute_wgs: int, p_chunks: int):
     """The kernel on K/V (rows in whole 8-row groups), their staged windows and a work list: ``out [T, Hq, D]``,
     ``lse_tiles f32[num_slots, Hkv, W, 64]``."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -452,17 +435,14 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
          plgpu.SMEM((compute_wgs, BLOCK_Q, block_kv), q.dtype, **tiled) if interpret else None),  # P, see pv_dot
         (plgpu.Barrier(num_barriers=compute_wgs), plgpu.Barrier(num_barriers=max_concurrent_steps),
          plgpu.Barrier(num_barriers=max_concurrent_steps)),
-        # a slot is free once every compute warpgroup of the cluster released it (a cluster barrier's arrivals reach
-        # each program of the pair)
-        (plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=compute_wgs, num_barriers=max_concurrent_steps)
-         if cluster > 1 else plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2,
+        (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2,
     )
-    num_pad_slots = pl.cdiv(min(pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT), MAX_PAD_SLOTS), cluster) * cluster
+    num_pad_slots = min(pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT), MAX_PAD_SLOTS)
     body = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, num_work_slots=num_slots, num_pad_slots=num_pad_slots,
         block_kv=block_kv, mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E,
         compiled=not interpret, q_tiled_tma=num_tokens % ROW_ALIGN == 0, registers=registers, compute_wgs=compute_wgs,
-        cluster=cluster, p_chunks=p_chunks)
+        p_chunks=p_chunks)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -477,9 +457,8 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
     # Consecutive work slots of one KV head launch together (grid x: Pallas puts the last grid axis there), the
     # heaviest first; a request's programs, which read the same K/V windows, sit close in that order (L2).
     return plgpu.kernel(
-        entry, out_type=out_type, grid=(num_kv_heads, (num_slots + num_pad_slots) // cluster),
-        grid_names=("heads", "work"), cluster=(cluster,) if cluster > 1 else (),
-        cluster_names=("pair",) if cluster > 1 else (), num_threads=compute_wgs + 1, thread_name="wg",
+        entry, out_type=out_type, grid=(num_kv_heads, num_slots + num_pad_slots),
+        grid_names=("heads", "work"), num_threads=compute_wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params,
     )(cu_seqlens, kv_stage, q_tiles, work_req, work_item, q, k, v, k_staged, v_staged)
 
@@ -487,28 +466,25 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
 def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
                             interpret: bool, block_kv: int = BLOCK_KV, max_concurrent_steps: int = 2,
                             registers: tuple[int, int] | None = None, compute_wgs: int = COMPUTE_WGS,
-                            cluster: int = CLUSTER, p_chunks: int = P_CHUNKS):
+                            p_chunks: int = P_CHUNKS):
     """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`.
 
     ``block_kv`` (keys per K/V slot), ``max_concurrent_steps`` (slots), ``compute_wgs`` (compute warpgroups: items
-    per program, 2 or 3), ``registers`` (per thread: compute, memory warpgroup; default ``REGISTERS``),
-    ``cluster`` (programs sharing K/V loads, 1 or 2: see ``CLUSTER``) and ``p_chunks`` (see ``P_CHUNKS``) are
-    tuning knobs for the probe, not public API."""
+    per program, 2 or 3), ``registers`` (per thread: compute, memory warpgroup; default ``REGISTERS``) and
+    ``p_chunks`` (see ``P_CHUNKS``) are tuning knobs for the probe, not public API."""
     reason = supported(q, k)
     if reason is not None:
         raise ValueError(f"the Mosaic prefill does not support {reason}")
     if compute_wgs not in REGISTERS:
         raise ValueError(f"compute_wgs must be one of {sorted(REGISTERS)}, got {compute_wgs}")
-    if cluster not in (1, 2):
-        raise ValueError(f"cluster must be 1 or 2, got {cluster}")
     if p_chunks < 1 or block_kv % (8 * p_chunks):  # a column block of the wgmma layout is whole 8-column tiles
         raise ValueError(f"p_chunks must split block_kv {block_kv} into multiples of 8 columns, got {p_chunks}")
     num_tokens, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
-    num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group, compute_wgs, cluster)
+    num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group, compute_wgs)
     work_req, work_item, work_slot, cu_programs, q_tiles = _work_list(cu_seqlens, num_slots, causal, max_seqlen,
-                                                                      group, compute_wgs, cluster)
+                                                                      group, compute_wgs)
     k_staged, v_staged, kv_stage = _stage_kv(k, v, cu_seqlens, block_kv, interpret)
     if num_tokens % ROW_ALIGN:  # a TMA into tiled shared memory reads whole 8-row groups of K/V
         k, v = (jnp.pad(x, ((0, -num_tokens % ROW_ALIGN), (0, 0), (0, 0))) for x in (k, v))
@@ -516,7 +492,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots,
         causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, block_kv=block_kv,
         max_concurrent_steps=max_concurrent_steps, registers=registers or REGISTERS[compute_wgs],
-        compute_wgs=compute_wgs, cluster=cluster, p_chunks=p_chunks)
+        compute_wgs=compute_wgs, p_chunks=p_chunks)
     if not return_lse:
         return out, None
     token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
@@ -525,9 +501,6 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[req] + cu_seqlens[req] % ROW_ALIGN
     head = jnp.arange(num_q_heads, dtype=jnp.int32)
     item = (local // BLOCK_Q)[:, None] * group + head % group  # [T, Hq]: the item within (request, KV head)
-    per_cluster = compute_wgs * cluster
-    first_slot = cluster * work_slot[jnp.minimum(cu_programs[req][:, None] + item // per_cluster,
-                                                 num_slots // cluster - 1)]
-    slot = first_slot + item % per_cluster // compute_wgs  # the item's program within its cluster
+    slot = work_slot[jnp.minimum(cu_programs[req][:, None] + item // compute_wgs, num_slots - 1)]
     lse = lse_tiles[slot, head // group, item % compute_wgs, (local % BLOCK_Q)[:, None]]  # [T, Hq]
     return out, jnp.where(valid[:, None], lse, -jnp.inf)

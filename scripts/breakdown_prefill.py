@@ -54,7 +54,8 @@ def main() -> int:
         stage = jax.jit(lambda k, v, cu: pm._stage_kv(k, v, cu, pm.BLOCK_KV, interpret=False))
         kernel = jax.jit(functools.partial(
             pm._call_kernel, num_slots=num_slots, causal=causal, scale=d ** -0.5, return_lse=False, interpret=False,
-            block_kv=pm.BLOCK_KV, max_concurrent_steps=2, registers=pm.REGISTERS[wgs], compute_wgs=wgs))
+            block_kv=pm.BLOCK_KV, max_concurrent_steps=2, registers=pm.REGISTERS[wgs], compute_wgs=wgs,
+            p_chunks=pm.P_CHUNKS))
         req, first, _, _, tiles = work(cu)
         k_staged, v_staged, kv_stage = stage(k, v, cu)  # P1, P2: T in whole 8-row groups (no padding)
         work_loop = looped(lambda cu: pm._work_list(cu, num_slots, causal, max_seqlen, group, wgs))

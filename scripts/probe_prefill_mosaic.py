@@ -43,7 +43,7 @@ WORKLOADS = {"P1": (P1, 128, True), "P2": ([32768], 128, True),
 # kernel's knobs, "+"-joined
 VARIANTS = [v for v in os.environ.get("VARIANTS", "").split(",") if v]
 KNOBS = {"bkv": "block_kv", "mcs": "max_concurrent_steps", "regs": "registers", "wgs": "compute_wgs",
-         "cl": "cluster", "pc": "p_chunks"}
+         "pc": "p_chunks"}
 
 
 def knobs(variant: str) -> dict:

@@ -138,12 +138,11 @@ def test_config_is_triton_only():
 
 @pytest.mark.parametrize("head_dim, causal, return_lse, num_tokens, knobs",
                          [(128, True, True, 8192, {}), (64, False, False, 8195, {}),  # 8195: not whole 8-row groups
-                          (128, True, True, 8192, {"cluster": 2}),  # cluster pairs: the multicast copies' split
-                          (128, True, False, 8192, {"p_chunks": 4})])  # P in column blocks: wgmma-layout slices
+                          (128, True, False, 8192, {"p_chunks": 4}),  # P in column blocks: wgmma-layout slices
+                          (128, True, False, 8192, {"p_chunks": 1})])  # P whole, one softmax_update
 def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, knobs):
     """The compiled path's lowering (wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked without a GPU at a
-    P1-sized shape: what the interpreter does not exercise (tiling/alignment proofs, layouts, multicast) fails
-    here."""
+    P1-sized shape: what the interpreter does not exercise (tiling/alignment proofs, layouts) fails here."""
     from pallas_attn import prefill_mosaic
     s = jax.ShapeDtypeStruct
     args = (s((num_tokens, 32, head_dim), jnp.bfloat16), s((num_tokens, 8, head_dim), jnp.bfloat16),
@@ -179,20 +178,18 @@ def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, m
 
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=12), extra=st.integers(0, 40),
-       causal=st.booleans(), group=st.sampled_from([1, 2, 3, 4, 8]), compute_wgs=st.sampled_from([2, 3]),
-       cluster=st.sampled_from([1, 2]))
-def test_work_list_covers_every_item_once(lens, extra, causal, group, compute_wgs, cluster):
+       causal=st.booleans(), group=st.sampled_from([1, 2, 3, 4, 8]), compute_wgs=st.sampled_from([2, 3]))
+def test_work_list_covers_every_item_once(lens, extra, causal, group, compute_wgs):
     """The static work list holds every (request, tile, head) item exactly once, in programs of ``compute_wgs``
-    consecutive items of one request, clusters of ``cluster`` programs of one request (consecutive items), heaviest
-    cluster first, unused slots last (-1); ``slot`` inverts the order (the LSE gather relies on it)."""
+    consecutive items of one request, heaviest program first, unused slots last (-1); ``slot`` inverts the order
+    (the LSE gather relies on it)."""
     from pallas_attn.prefill_mosaic import BLOCK_Q, ROW_ALIGN, _work_list, num_work_slots
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = int(cu[-1]) + extra
     max_seqlen = max(lens)
-    num_slots = num_work_slots(num_tokens, len(lens), max_seqlen, group, compute_wgs, cluster)
+    num_slots = num_work_slots(num_tokens, len(lens), max_seqlen, group, compute_wgs)
     req, first, slot, cu_programs, tiles = (np.asarray(x) for x in _work_list(
-        jnp.asarray(cu), num_slots, causal, max_seqlen, group, compute_wgs, cluster))
-    assert num_slots % cluster == 0 and req.shape == first.shape == (num_slots,)
+        jnp.asarray(cu), num_slots, causal, max_seqlen, group, compute_wgs))
     shifts = cu[:-1] % ROW_ALIGN
     np.testing.assert_array_equal(tiles, [-(-(n + s) // BLOCK_Q) if n else 0 for n, s in zip(lens, shifts)])
     used = req >= 0
@@ -200,17 +197,12 @@ def test_work_list_covers_every_item_once(lens, extra, causal, group, compute_wg
     items = [(b, i) for b, f in zip(req[used].tolist(), first[used].tolist())
              for i in range(f, min(f + compute_wgs, tiles[b] * group))]
     assert sorted(items) == [(b, i) for b in range(len(lens)) for i in range(tiles[b] * group)]
-    pairs_req, pairs_first = req.reshape(-1, cluster), first.reshape(-1, cluster)
-    assert (pairs_req == pairs_req[:, :1]).all()  # a cluster's programs: one request, consecutive items
-    assert (pairs_first - pairs_first[:, :1] == np.arange(cluster) * compute_wgs).all()
-    per_cluster = cluster * compute_wgs
-    keys = [min(-(-min(f + per_cluster, tiles[b] * group) // group) * BLOCK_Q - shifts[b], lens[b]) if causal
-            else lens[b] for b, f in zip(pairs_req[:, 0][used[::cluster]], pairs_first[:, 0][used[::cluster]])]
+    keys = [min(-(-min(f + compute_wgs, tiles[b] * group) // group) * BLOCK_Q - shifts[b], lens[b]) if causal
+            else lens[b] for b, f in zip(req[used], first[used])]
     assert keys == sorted(keys, reverse=True)
     for b in range(len(lens)):
         for c in range(cu_programs[b + 1] - cu_programs[b]):
-            w = cluster * slot[cu_programs[b] + c]
-            assert (req[w], first[w]) == (b, c * per_cluster)
+            assert (req[slot[cu_programs[b] + c]], first[slot[cu_programs[b] + c]]) == (b, c * compute_wgs)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -260,38 +252,17 @@ def test_two_compute_warpgroups(rng):
 
 
 @pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
-@pytest.mark.parametrize("lens, hq, hkv, causal", [
-    ([130, 1, 70], 8, 2, True),  # group 4: a cluster's six items span two tiles; the 1-row request's second
-    # program has no item and still loads its half of every window and releases every slot
-    ([8, 400, 3], 4, 2, True),  # staged windows (request 2), read in place (request 1), a part-filled last cluster
-    ([200, 3], 2, 1, False),  # non-causal, group 2
-])
-def test_cluster_pair(rng, lens, hq, hkv, causal):
-    """``cluster=2`` (a probe knob): programs in pairs, each K/V window loaded half by each program into both,
-    slots freed by a cluster barrier of all six compute warpgroups. The interpreter runs the pairs' barriers; its
-    copies ignore the multicast (each program loads the whole window)."""
-    from pallas_attn import backend, prefill_mosaic
-    q, k, v, cu = _inputs(rng, lens, hq, hkv, 64, jnp.bfloat16)
-    out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=causal,
-                                                      scale=64 ** -0.5, return_lse=True,
-                                                      interpret=backend.resolve_interpret(None), cluster=2)
-    ref_out, ref_lse = reference.varlen_attention(q, k, v, cu, causal=causal, return_lse=True)
-    n = sum(lens)
-    assert_attention_close(out, ref_out, dtype=jnp.bfloat16, valid_rows=n)
-    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
-    assert np.all(np.asarray(out, np.float32)[n:] == 0)
-
-
-@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
-def test_p_chunks(rng):
-    """``p_chunks=2`` (a probe knob): a step's exponentials summed and packed a column block at a time, the halves
-    joined for one P · V; masked diagonal tiles and a request shorter than a block included."""
+@pytest.mark.parametrize("p_chunks", [1, 4])
+def test_p_chunks(rng, p_chunks):
+    """``p_chunks`` other than the default 2 (a probe knob): 1, the step's exponentials packed to bf16 at once
+    (``softmax_update``); 4, packed a 32-column block at a time. Masked diagonal tiles and a request shorter than a
+    block included."""
     from pallas_attn import backend, prefill_mosaic
     lens = [130, 1, 70]
     q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16)
     out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=True,
                                                       scale=64 ** -0.5, return_lse=True,
-                                                      interpret=backend.resolve_interpret(None), p_chunks=2)
+                                                      interpret=backend.resolve_interpret(None), p_chunks=p_chunks)
     ref_out, ref_lse = reference.varlen_attention(q, k, v, cu, return_lse=True)
     n = sum(lens)
     assert_attention_close(out, ref_out, dtype=jnp.bfloat16, valid_rows=n)
