@@ -75,12 +75,13 @@ from pallas_attn import masks, metadata, softmax, tiles
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 COMPUTE_WGS = 3  # items (query tile, head) per program, one per compute warpgroup
 # Per thread (compute, memory warpgroup), by compute warpgroups: W · compute + memory ≤ (W + 1) · 128, the
-# launch's share, or the compute warpgroups' increase never returns. At 3 × 160 ptxas spills 40 bytes (stores;
-# 44 loaded): 4 spill instructions a full K/V step (benchmarks/NOTES.md, twelfth session), with P_CHUNKS 1.
+# launch's share, or the compute warpgroups' increase never returns. At 3 × 160 ptxas spills nothing with P_CHUNKS
+# 2 (with 1: 40 bytes stored, 44 loaded, 4 spill instructions a full K/V step; benchmarks/NOTES.md).
 REGISTERS = {2: (232, 40), 3: (160, 24)}
 # Column blocks in which a step's exponentials are summed and packed to bf16 (P · V's operand), each block before
 # the next one's exponentials: the program order then keeps one block of float32 P live instead of all of it, the
-# peak that spills (see REGISTERS). 2: measured in benchmarks/NOTES.md, thirteenth session.
+# peak that spilled (see REGISTERS). 2 against 1 on the H200: P2 +0.85%, P1-unaligned +2.5%, P1 -0.4% (noise);
+# benchmarks/NOTES.md, thirteenth session.
 P_CHUNKS = 2
 BLOCK_KV = 128  # keys per K/V slot; a third slot (max_concurrent_steps=3) overflows shared memory at D 128
 ROW_ALIGN = 8  # TMA into (8, 64)-tiled shared memory: a tile's packed row offset must be a provable multiple of 8
