@@ -22,7 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import jax  # noqa: E402
 
 from pallas_attn.testing import relative_l2  # noqa: E402
-from probe_prefill_mosaic import WORKLOADS, inputs, timeit, variant_impl  # noqa: E402
+from probe_prefill_mosaic import WORKLOADS, inputs, timeit, variant_fn  # noqa: E402
 
 ROUND_S = 0.08
 
@@ -33,13 +33,7 @@ def main() -> int:
     for name in sys.argv[1].split(","):
         lens, d, causal = WORKLOADS[name]
         q, k, v, cu, flops = inputs(lens, d, causal)
-
-        def make(variant):  # a new jitted function per position: each is its own timed row
-            impl = variant_impl(variant)
-            return jax.jit(lambda q, k, v, cu: impl(q, k, v, cu, max_seqlen=max(lens), causal=causal,
-                                                    scale=d ** -0.5, return_lse=False, interpret=False)[0])
-
-        fs = [make(a_name), make(b_name), make(b_name), make(a_name)]
+        fs = [variant_fn(variant, lens, d, causal) for variant in (a_name, b_name, b_name, a_name)]
         err = float(relative_l2(fs[1](q, k, v, cu), fs[0](q, k, v, cu)))
         t0 = time.perf_counter()
         jax.block_until_ready(fs[0](q, k, v, cu))

@@ -69,6 +69,14 @@ def variant_impl(variant: str):
     return functools.partial(module.varlen_attention_mosaic, **knobs(variant))
 
 
+def variant_fn(variant: str, lens, d: int, causal: bool):
+    """A variant's ``out [T, Hq, D]`` on a workload's batch, jitted (the workload's scale, no LSE); a new jitted
+    function each call, so that two calls give two separately timed rows."""
+    impl = variant_impl(variant)
+    return jax.jit(lambda q, k, v, cu: impl(q, k, v, cu, max_seqlen=max(lens), causal=causal, scale=d ** -0.5,
+                                            return_lse=False, interpret=False)[0])
+
+
 def inputs(lens, d: int, causal: bool, hq: int = 32, hkv: int = 8):
     """``(q, k, v, cu_seqlens, useful flops)`` of a packed batch of ``lens`` (bf16, normal, key 0)."""
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
@@ -118,9 +126,7 @@ def main() -> int:
         impls = [("triton", triton), ("mosaic", mosaic)]
         errs = {"triton": 0.0, "mosaic": err}
         for variant in VARIANTS:
-            f = jax.jit(functools.partial(
-                lambda q, k, v, cu, impl=variant_impl(variant), **kw: impl(q, k, v, cu, **kw)[0],
-                max_seqlen=max(lens), causal=causal, scale=d ** -0.5, return_lse=False, interpret=False))
+            f = variant_fn(variant, lens, d, causal)
             try:
                 e = float(relative_l2(f(q, k, v, cu), ref))
                 print(f"{name} mosaic/{variant} rel L2 vs triton {e:.2e}", flush=True)
