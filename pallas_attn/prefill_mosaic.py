@@ -230,8 +230,9 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
                 m_i, alpha, p, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, p_chunks, scale=scale2)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # The softmax and the rescale ahead of the wait for V (as JAX's attention_mgpu keeps them ahead of its
-            # ping-pong's barriers): the schedule measured in benchmarks/NOTES.md, tenth session. (The program order
-            # decides ptxas's: P is packed after the rescale, as measured.)
+            # ping-pong's barriers): the schedule measured in benchmarks/NOTES.md, tenth session. ptxas follows the
+            # program order: with p_chunks 1, P is packed after the rescale (packed before it, the PTX reordered);
+            # with more, each block is packed as its exponentials finish, which is what leaves nothing to spill.
             acc, m_i, l_i, p16 = lax.optimization_barrier((acc, m_i, l_i, p.astype(dtype)))
             plgpu.barrier_wait(v_bar.at[slot])
             acc = pv_dot(j, p16, acc)
