@@ -176,13 +176,19 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
 
 
 BACKENDS = backend_lib.BACKENDS
-# The default on sm_90 (measured on the H200, benchmarks/NOTES.md): the Mosaic kernel from this max_seqlen on, per
-# head_dim; the Triton kernel for shorter requests (a 64-row tile with one or two K/V steps is latency, where
-# Triton's several programs per SM win). Re-timed with three compute warpgroups (tenth session). Head dim 128:
-# Triton wins 256 x 128 tokens (0.513 vs 0.810 ms) and 128 x 256 (0.537 vs 0.601), Mosaic 64 x 512 (0.637 vs
-# 0.685) and every workload from 1024 on. Head dim 64 (half the matmul per softmax): Triton wins 64 x 512 (0.315
-# vs 0.460 ms) and 32 x 1024 (0.485 vs 0.583), Mosaic P1 (max 8192: 398.7 vs 365.0 TFLOP/s).
-MOSAIC_MIN_SEQLEN = {128: 512, 64: 8192}
+# The default on sm_90 (measured on the H200, benchmarks/NOTES.md, fourteenth session: GPU time a call, 20 calls in
+# one jitted function): the Mosaic kernel from this max_seqlen on, per head_dim, and only for batches of at least
+# MOSAIC_MIN_TOKENS packed rows; else the Triton kernel. The Mosaic path costs 10-23 µs a call more on one short
+# request (its work list and K/V staging launch: 16 and 8-10 µs of GPU time a call in the P1/P2 breakdown): one
+# request of 512 tokens takes 0.043 ms against Triton's 0.020, one of 1024 ties (0.047 / 0.046), one of 2048 is
+# Mosaic's (0.101 / 0.118).
+# Head dim 128: Mosaic 64 x 512 (0.513 vs 0.660 ms) and every longer workload; Triton 512 x 64 (0.448 vs 0.622),
+# 1024 x 32 and 128 requests of 1-256 tokens at unaligned starts (0.302 vs 0.445: every K/V window staged). Uniform
+# aligned batches of 128- and 256-token requests are Mosaic's by 10-12% (0.439 / 0.487, 0.453 / 0.515) but share
+# their max_seqlen with the mixed batch, which Triton wins by 32%: the rule leaves them to Triton. Head dim 64 (half
+# the matmul per softmax): Mosaic 16 x 2048 (0.783 vs 0.814 ms), 8 x 4096 and P1; Triton 32 x 1024 (0.464 vs 0.517).
+MOSAIC_MIN_SEQLEN = {128: 512, 64: 2048}
+MOSAIC_MIN_TOKENS = 2048
 
 
 def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
@@ -190,7 +196,8 @@ def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
     faster, else "triton"."""
     if interpret or not backend_lib.is_hopper() or prefill_mosaic.supported(q, k) is not None:
         return "triton"
-    return "mosaic" if max_seqlen >= MOSAIC_MIN_SEQLEN.get(q.shape[-1], max_seqlen + 1) else "triton"
+    long_enough = max_seqlen >= MOSAIC_MIN_SEQLEN.get(q.shape[-1], max_seqlen + 1)
+    return "mosaic" if long_enough and q.shape[0] >= MOSAIC_MIN_TOKENS else "triton"
 
 
 @functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "return_lse", "interpret",
@@ -217,7 +224,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.prefill_mosaic` (wgmma, TMA, warp
         specialisation; bf16/fp16, head_dim 64 or 128 — anything else raises; interpreted on CPU by the Mosaic
         GPU interpreter). None: :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it applies and was
-        measured faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]``), else Triton.
+        measured faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]`` and ``num_tokens >= MOSAIC_MIN_TOKENS``),
+        else Triton.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked).

@@ -60,10 +60,26 @@ def main() -> int:
         k_staged, v_staged, kv_stage = stage(k, v, cu)  # P1, P2: T in whole 8-row groups (no padding)
         work_loop = looped(lambda cu: pm._work_list(cu, num_slots, causal, max_seqlen, group, wgs))
         stage_loop = looped(lambda cu, k, v: pm._stage_kv(k, v, cu, pm.BLOCK_KV, interpret=False))
+
+        def with_work(q, k, v, cu):  # staging precomputed
+            req, first, _, _, tiles_ = pm._work_list(cu, num_slots, causal, max_seqlen, group, wgs)
+            return kernel(q, k, v, k_staged, v_staged, cu, kv_stage, tiles_, req, first)
+
+        def with_stage(q, k, v, cu):  # work list precomputed
+            k_staged_, v_staged_, kv_stage_ = pm._stage_kv(k, v, cu, pm.BLOCK_KV, interpret=False)
+            return kernel(q, k, v, k_staged_, v_staged_, cu, kv_stage_, tiles, req, first)
+
+        with_work, with_stage = jax.jit(with_work), jax.jit(with_stage)
+        hlo = full.lower(q, k, v, cu).compile().as_text()
+        pathlib.Path(os.environ.get("OUT", "/tmp"), f"hlo_{name}.txt").write_text(hlo)
+        print(name, "kernels in the whole call's HLO:", hlo.count("fusion(") + hlo.count("custom-call(")
+              + hlo.count(" sort("), flush=True)
         parts = {"whole call": lambda: full(q, k, v, cu), "work list": lambda: work(cu),
                  "K/V staging": lambda: stage(k, v, cu),
                  "kernel": lambda: kernel(q, k, v, k_staged, v_staged, cu, kv_stage, tiles, req, first),
-                 "work list, looped": lambda: work_loop(cu), "K/V staging, looped": lambda: stage_loop(cu, k, v)}
+                 "work list, looped": lambda: work_loop(cu), "K/V staging, looped": lambda: stage_loop(cu, k, v),
+                 "kernel + work list": lambda: with_work(q, k, v, cu),
+                 "kernel + staging": lambda: with_stage(q, k, v, cu)}
         for (part, _), s in zip(parts.items(), timeit(list(parts.values()))):
             s = s / LOOP if part.endswith("looped") else s  # a call's GPU time
             rows.append(dict(workload=name, part=part, median_ms=s * 1e3, tflops=flops / s / 1e12))

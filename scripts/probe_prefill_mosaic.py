@@ -2,6 +2,9 @@
 run (and checked against it), JSON to $OUT/mosaic_probe.json. GPU only.
 
     python scripts/probe_prefill_mosaic.py [P1,P2]
+
+``UNROLL=N``: each implementation is timed as N calls in one jitted function (GPU time a call: the host's dispatch,
+~0.1 ms a call, no longer hides it on the shortest workloads; what a call costs inside a jitted model), written to $OUT/mosaic_probe_unrollN.json.
 """
 
 from __future__ import annotations
@@ -36,12 +39,20 @@ WORKLOADS = {"P1": (P1, 128, True), "P2": ([32768], 128, True),
              "P1-d64": (P1, 64, True),
              "d64-64x512": ([512] * 64, 64, True),
              "d64-32x1024": ([1024] * 32, 64, True),
-             "noncausal-4x8192": ([8192] * 4, 128, False)}
+             "noncausal-4x8192": ([8192] * 4, 128, False),
+             # shorter still, and single requests (a serving engine's prefill of one prompt)
+             "short-512x64": ([64] * 512, 128, True),
+             "short-1024x32": ([32] * 1024, 128, True),
+             "mixed-128x1-256": ([int(x) for x in _rng.integers(1, 257, 128)], 128, True),
+             "one-64": ([64], 128, True), "one-128": ([128], 128, True), "one-256": ([256], 128, True),
+             "one-512": ([512], 128, True), "one-1024": ([1024], 128, True), "one-2048": ([2048], 128, True),
+             "d64-16x2048": ([2048] * 16, 64, True), "d64-8x4096": ([4096] * 8, 64, True)}
 
 
 # Mosaic tuning variants, timed on every workload asked for, e.g. VARIANTS="wgs=2,regs=240/24+bkv=128,base": the
 # kernel's knobs, "+"-joined
 VARIANTS = [v for v in os.environ.get("VARIANTS", "").split(",") if v]
+UNROLL = int(os.environ.get("UNROLL", "1"))
 KNOBS = {"bkv": "block_kv", "mcs": "max_concurrent_steps", "regs": "registers", "wgs": "compute_wgs",
          "pc": "p_chunks"}
 
@@ -105,6 +116,14 @@ def timeit(fs, *args, reps=7, inner=10):
     return [float(np.median(t_f)) for t_f in ts]
 
 
+def unrolled(f, n: int):
+    """``f`` called ``n`` times in one jitted function, on ``cu + 0 · i`` (a traced zero: nothing is merged)."""
+    def run(q, k, v, cu, zero):
+        return sum(f(q, k, v, cu + zero * i)[:1, :1].astype(jnp.float32).sum() for i in range(n))
+    run = jax.jit(run)
+    return lambda q, k, v, cu: run(q, k, v, cu, jnp.int32(0))
+
+
 def main() -> int:
     which = sys.argv[1].split(",") if len(sys.argv) > 1 else list(WORKLOADS)
     rows = []
@@ -134,14 +153,19 @@ def main() -> int:
                 errs[f"mosaic/{variant}"] = e
             except Exception as ex:
                 print(f"{name} mosaic/{variant} FAILED: {type(ex).__name__}: {str(ex)[:1500]}", flush=True)
+        if UNROLL > 1:
+            impls = [(impl, unrolled(f, UNROLL)) for impl, f in impls]
         for (impl, f), s in zip(impls, timeit([f for _, f in impls], q, k, v, cu)):
+            s /= UNROLL
             rows.append(dict(workload=name, impl=impl, head_dim=d, causal=causal, num_seqs=len(lens), tokens=t,
+                             unroll=UNROLL,
                              median_ms=s * 1e3, tflops=flops / s / 1e12,
                              rel_l2_vs_triton=errs[impl]))
             print(f"{name} {impl:7s} {s * 1e3:8.3f} ms {flops / s / 1e12:7.1f} TFLOP/s  "
                   f"rel L2 vs triton {errs[impl]:.2e}", flush=True)
     out_dir = os.environ.get("OUT", "/tmp")
-    pathlib.Path(out_dir, "mosaic_probe.json").write_text(json.dumps(dict(
+    out_name = "mosaic_probe.json" if UNROLL == 1 else f"mosaic_probe_unroll{UNROLL}.json"  # two runs, two files
+    pathlib.Path(out_dir, out_name).write_text(json.dumps(dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
         commit=os.environ.get("COMMIT", "?"), rows=rows),
         indent=1))

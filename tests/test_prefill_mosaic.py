@@ -157,22 +157,26 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, knobs):
 
 
 
-@pytest.mark.parametrize("hopper, interpret, dtype, head_dim, max_seqlen, expected", [
-    (True, False, jnp.bfloat16, 128, 1024, "mosaic"),
-    (True, False, jnp.float16, 128, 32768, "mosaic"),
-    (True, False, jnp.bfloat16, 128, 512, "mosaic"),  # 64 x 512 tokens: Mosaic measured faster
-    (True, False, jnp.bfloat16, 128, 256, "triton"),  # short requests: Triton measured faster
-    (True, False, jnp.bfloat16, 64, 8192, "mosaic"),  # P1 at head_dim 64: Mosaic measured faster
-    (True, False, jnp.bfloat16, 64, 1024, "triton"),  # head_dim 64, 32 x 1024 tokens: Triton measured faster
-    (True, False, jnp.float32, 128, 8192, "triton"),  # the Mosaic kernel is bf16/fp16 only
-    (True, True, jnp.bfloat16, 128, 8192, "triton"),  # interpret mode
-    (False, False, jnp.bfloat16, 128, 8192, "triton"),  # not sm_90
+@pytest.mark.parametrize("hopper, interpret, dtype, head_dim, max_seqlen, num_tokens, expected", [
+    (True, False, jnp.bfloat16, 128, 1024, 16384, "mosaic"),
+    (True, False, jnp.float16, 128, 32768, 32768, "mosaic"),  # P2
+    (True, False, jnp.bfloat16, 128, 512, 32768, "mosaic"),  # 64 x 512 tokens: Mosaic measured faster
+    (True, False, jnp.bfloat16, 128, 2048, 2048, "mosaic"),  # one request of 2048: Mosaic measured faster
+    (True, False, jnp.bfloat16, 128, 1024, 1024, "triton"),  # one request of 1024: a tie, Triton's launch is lighter
+    (True, False, jnp.bfloat16, 128, 512, 512, "triton"),  # one request of 512: Triton measured 2x faster
+    (True, False, jnp.bfloat16, 128, 256, 32768, "triton"),  # short (and mixed, unaligned) requests: Triton
+    (True, False, jnp.bfloat16, 64, 8192, 29184, "mosaic"),  # P1 at head_dim 64: Mosaic measured faster
+    (True, False, jnp.bfloat16, 64, 2048, 32768, "mosaic"),  # head_dim 64, 16 x 2048 tokens: Mosaic measured faster
+    (True, False, jnp.bfloat16, 64, 1024, 32768, "triton"),  # head_dim 64, 32 x 1024 tokens: Triton measured faster
+    (True, False, jnp.float32, 128, 8192, 29184, "triton"),  # the Mosaic kernel is bf16/fp16 only
+    (True, True, jnp.bfloat16, 128, 8192, 29184, "triton"),  # interpret mode
+    (False, False, jnp.bfloat16, 128, 8192, 29184, "triton"),  # not sm_90
 ])
-def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, max_seqlen, expected):
+def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, max_seqlen, num_tokens, expected):
     """``backend=None`` picks the kernel measured faster on the H200 for the shape (benchmarks/NOTES.md)."""
     from pallas_attn import backend, prefill
     monkeypatch.setattr(backend, "is_hopper", lambda: hopper)
-    q, k = jnp.zeros((8, 4, head_dim), dtype), jnp.zeros((8, 2, head_dim), dtype)
+    q, k = (jax.ShapeDtypeStruct((num_tokens, h, head_dim), dtype) for h in (4, 2))
     assert prefill.default_backend(q, k, max_seqlen, interpret) == expected
 
 
