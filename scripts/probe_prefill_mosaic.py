@@ -3,8 +3,9 @@ run (and checked against it), JSON to $OUT/mosaic_probe.json. GPU only.
 
     python scripts/probe_prefill_mosaic.py [P1,P2]
 
-``UNROLL=N``: each implementation is timed as N calls in one jitted function (GPU time a call: the host's dispatch,
-~0.1 ms a call, no longer hides it on the shortest workloads; what a call costs inside a jitted model), written to $OUT/mosaic_probe_unrollN.json.
+``UNROLL=N``: each implementation is timed as N calls in one jitted function, JSON to $OUT/mosaic_probe_unrollN.json
+(GPU time a call: the host's dispatch, ~0.1 ms a call, no longer hides it on the shortest workloads; what a call
+costs inside a jitted model).
 """
 
 from __future__ import annotations
