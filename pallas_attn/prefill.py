@@ -178,15 +178,17 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
 BACKENDS = backend_lib.BACKENDS
 # The default on sm_90 (measured on the H200, benchmarks/NOTES.md, fourteenth session: GPU time a call, 20 calls in
 # one jitted function): the Mosaic kernel from this max_seqlen on, per head_dim, and only for batches of at least
-# MOSAIC_MIN_TOKENS packed rows; else the Triton kernel. The Mosaic path costs 10-23 µs a call more on one short
-# request (its work list and K/V staging launch: 16 and 8-10 µs of GPU time a call in the P1/P2 breakdown): one
-# request of 512 tokens takes 0.043 ms against Triton's 0.020, one of 1024 ties (0.047 / 0.046), one of 2048 is
-# Mosaic's (0.101 / 0.118).
-# Head dim 128: Mosaic 64 x 512 (0.513 vs 0.660 ms) and every longer workload; Triton 512 x 64 (0.448 vs 0.622),
-# 1024 x 32 and 128 requests of 1-256 tokens at unaligned starts (0.302 vs 0.445: every K/V window staged). Uniform
-# aligned batches of 128- and 256-token requests are Mosaic's by 10-12% (0.439 / 0.487, 0.453 / 0.515) but share
-# their max_seqlen with the mixed batch, which Triton wins by 32%: the rule leaves them to Triton. Head dim 64 (half
-# the matmul per softmax): Mosaic 16 x 2048 (0.783 vs 0.814 ms), 8 x 4096 and P1; Triton 32 x 1024 (0.464 vs 0.517).
+# MOSAIC_MIN_TOKENS packed rows; else the Triton kernel.
+# * Small batches: the Mosaic path costs 10-23 µs a call more (its work list and K/V staging launch: 16 and 8-10 µs
+#   of GPU time a call in the P1/P2 breakdown). One request of 512 tokens takes 0.043 ms against Triton's 0.020, one
+#   of 1024 ties (0.047 / 0.046), one of 2048 is Mosaic's (0.101 / 0.118).
+# * Head dim 128: Mosaic 64 x 512 (0.513 vs 0.660 ms) and every longer workload; Triton 512 x 64 (0.448 vs 0.622),
+#   1024 x 32 and 128 requests of 1-256 tokens at unaligned starts (0.302 vs 0.445: every K/V window staged).
+#   Uniform aligned batches of 128- and 256-token requests are Mosaic's by 11-14% (0.439 / 0.487, 0.453 / 0.515),
+#   but they share their max_seqlen with the mixed batch, where Mosaic takes 47% longer: the rule leaves them to
+#   Triton.
+# * Head dim 64 (half the matmul per softmax): Mosaic 16 x 2048 (0.783 vs 0.814 ms), 8 x 4096 and P1; Triton
+#   32 x 1024 (0.464 vs 0.517).
 MOSAIC_MIN_SEQLEN = {128: 512, 64: 2048}
 MOSAIC_MIN_TOKENS = 2048
 

@@ -41,15 +41,14 @@ Pallas:
 * LSE (natural log) goes to a buffer ``[work slots, Hkv, 3, 64]`` (a 64-wide TMA store per item; ∝ T) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
-Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; the eleventh session's harness run,
-``benchmarks/results/…-session11-harness-05.json``): P1 563.7 TFLOP/s (cuDNN packed 523.0, JAX's attention_mgpu
-505.5 in six dense calls, Triton kernel 403.3), P2 649.3 (attention_mgpu 586.8, cuDNN 565.2, Triton 458.2); a
-second run 562.3 / 646.3. The thirteenth session's harness runs (``…-session13-harness-0*.json``; P in two column
-blocks from then on) gave P1 557.3 and 561.3, P2 646.8 and 642.7, with the eleventh session's kernel at 557.6 /
-642.3 on the board that day. The two-warpgroup FA3 schedule it replaced ran 520.6 / 580.0 in a tenth-session
-probe.
-Triton stays faster for the shortest requests (256 × 128 tokens: 0.513 vs 0.810 ms), which the default rule leaves
-to it.
+Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; the fourteenth session's harness run,
+``benchmarks/results/…-session14-harness-01.json``): P1 568.0 TFLOP/s (cuDNN packed 525.8, JAX's attention_mgpu
+502.5 in six dense calls, Triton kernel 405.4), P2 656.0 (attention_mgpu 589.8, cuDNN 561.9, Triton 461.1); a
+second run 568.5 / 656.3. The same kernel gave 557–562 / 643–648 on the thirteenth session's slower board. The
+two-warpgroup FA3 schedule it replaced ran 520.6 / 580.0 in a tenth-session probe.
+Triton stays faster for one short request (512 tokens: 0.020 vs 0.043 ms of GPU time; this path's work list and
+staging launch cost 10-23 µs more) and for batches of requests shorter than 512 with unaligned starts, which the
+default rule leaves to it.
 
 Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. Its limits
 (jax 0.11.2): wgmma's A operand must be in shared memory (P goes through a scratch buffer there), pl.run_state
