@@ -108,16 +108,19 @@ def matmul_loops(sass: str) -> list[str]:
             continue
         if any("SYNCS.PHASECHK" in i for _, i in body[max(n - 4, 0):n]):
             continue  # a barrier wait's out-of-line retry, jumping back into the code it came from: not a loop
-        loop = [(a, i) for a, i in body if int(branch[1], 16) <= a <= addr]
-        def count(op):
-            return sum(i.split()[1 if i.startswith("@") else 0].startswith(op) for _, i in loop)  # past a predicate
-
-        if not count("HGMMA"):
+        loop = [i for a, i in body if int(branch[1], 16) <= a <= addr]
+        if not _count(loop, "HGMMA"):
             continue
-        spills = [f"{op} @{a:#x}" for a, i in loop for op in ("STL", "LDL") if f" {op}" in f" {i}"]
-        rows.append(f"loop {int(branch[1], 16):#x}-{addr:#x}: {len(loop)} instructions, {count('HGMMA')} HGMMA, "
-                    f"{count('MUFU.EX2')} MUFU.EX2, spills: {', '.join(spills) or 'none'}")
+        spills = [f"{op} @{a:#x}" for a, i in body if int(branch[1], 16) <= a <= addr
+                  for op in ("STL", "LDL") if f" {op}" in f" {i}"]
+        rows.append(f"loop {int(branch[1], 16):#x}-{addr:#x}: {len(loop)} instructions, {_count(loop, 'HGMMA')} "
+                    f"HGMMA, {_count(loop, 'MUFU.EX2')} MUFU.EX2, spills: {', '.join(spills) or 'none'}")
     return rows
+
+
+def _count(instructions: list[str], op: str) -> int:
+    """Instructions whose opcode starts with ``op`` (past a ``@P`` predicate)."""
+    return sum(i.split()[1 if i.startswith("@") else 0].startswith(op) for i in instructions)
 
 
 if __name__ == "__main__":
