@@ -91,7 +91,7 @@ def _decode_args(b: Batch):
 
 def _split_note(batch: Batch, options: Options, num_splits) -> str:
     """The static split count the decode wrapper will use (same call as pallas_attn/decode.py makes)."""
-    from pallas_attn import config as config_lib
+    from pallas_attn.core import config as config_lib
     s, host = batch.spec, batch.host
     cfg = options.overrides.get("config") or config_lib.default_decode_config(s.head_dim, s.block_size,
                                                                              s.jnp_dtype.itemsize)
@@ -204,7 +204,7 @@ def _prepare_ours(batches: list[Batch], options: Options) -> Prepared:
 
 def _on_gpu_prefill(spec: Spec) -> bool:
     """The Mosaic GPU prefill: compiled on a GPU only (its interpreter takes seconds for a few dozen tokens)."""
-    from pallas_attn import backend
+    from pallas_attn.core import backend
     return spec.kind == "prefill" and backend.on_gpu()
 
 

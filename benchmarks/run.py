@@ -335,7 +335,7 @@ def main(argv=None) -> int:
     if args.list:
         _list(args.tiny)
         return 0
-    from pallas_attn import backend
+    from pallas_attn.core import backend
     interpret = backend.resolve_interpret(None)
     target_s = args.target_s or (0.02 if args.tiny else (0.2 if args.sweep else 0.5))
     specs = _selected_specs(args)
@@ -457,8 +457,8 @@ def _main_sweep(args, specs, options, out_dir, ctx, target_s) -> int:
         if args.tiny:
             print("\n--write-tables ignored with --tiny (interpret-mode timings are not tuning data)")
         else:
-            import pallas_attn.tuned
-            for line in sweep.write_tables(proposals, pallas_attn.tuned.__file__):
+            import pallas_attn.core.tuned
+            for line in sweep.write_tables(proposals, pallas_attn.core.tuned.__file__):
                 print(f"wrote pallas_attn/tuned.py: {line}")
     path = results_path(out_dir, ctx["date"], device_slug(ctx["device"]), args.tiny, suffix="-sweep")
     path.parent.mkdir(parents=True, exist_ok=True)

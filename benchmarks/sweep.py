@@ -1,6 +1,6 @@
 """``--sweep``: tuning mode for our kernels. Tries a grid of configs per workload, prints the winners and writes
-``<date>-<device>-sweep.json``; with ``--write-tables`` the winners go into :mod:`pallas_attn.tuned`, the tables
-:mod:`pallas_attn.config` reads.
+``<date>-<device>-sweep.json``; with ``--write-tables`` the winners go into :mod:`pallas_attn.core.tuned`, the tables
+:mod:`pallas_attn.core.config` reads.
 
 Two stages per workload: stage 1 is the block-size × warps × stages grid at the default split choice; stage 2
 varies what only makes sense around the stage-1 winner (prefill: query heads per program; decode and ragged:
@@ -18,8 +18,8 @@ import dataclasses
 import itertools
 import math
 
-from pallas_attn import config as config_lib
-from pallas_attn.config import DecodeConfig, PrefillConfig, SparseConfig
+from pallas_attn.core import config as config_lib
+from pallas_attn.core.config import DecodeConfig, PrefillConfig, SparseConfig
 
 FAMILY_TABLE = {"prefill": "PREFILL_TABLE", "decode": "DECODE_TABLE", "ragged": "DECODE_TABLE",
                 "sparse": "SPARSE_TABLE"}

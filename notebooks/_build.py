@@ -21,7 +21,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import jax, jax.numpy as jnp
 import pallas_attn
-from pallas_attn import reference, masks, backend
+from pallas_attn import reference
+from pallas_attn.core import backend, masks
 from pallas_attn.testing import relative_l2, random_packed, make_paged_kv
 print("jax", jax.__version__, "on", jax.default_backend(), "| interpret mode:", backend.resolve_interpret(None))'''
 
@@ -103,7 +104,7 @@ plt.show()""",
 
 Walking over KV tiles, a query tile meets *full* tiles (entirely below the diagonal: no mask at all),
 *diagonal* tiles (element-wise mask) and *future* tiles (never visited: the loop stops at the diagonal).
-The map below is drawn by `pallas_attn.masks.tile_map`, which uses the same bounds
+The map below is drawn by `pallas_attn.core.masks.tile_map`, which uses the same bounds
 (`masks.kv_tile_ranges`) as the kernels.""",
 """q_len = kv_len = 40
 bm, bn = 8, 8
@@ -461,7 +462,7 @@ engine_logits = [[logits[last_rows[i]]] for i in range(len(prompts))]
 next_tokens = np.asarray(jnp.argmax(logits[last_rows], axis=-1), np.int32)
 print(f"prefill (compile + run): {time.perf_counter() - t0:.1f} s; first new tokens {next_tokens.tolist()}")
 # the cache holds each prompt's keys at its pages: read request 1's back through its block table
-from pallas_attn.cache import gather_kv
+from pallas_attn.core.cache import gather_kv
 k1 = gather_kv(caches[0][0], tables[1], int(prompt_lens[1]))
 print("layer 0, request 1: keys read back through the block table", k1.shape)""",
 """md:## 5. Decode loop with `paged_decode_attention`, compiled once

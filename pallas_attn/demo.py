@@ -39,8 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_attn
-from pallas_attn import backend, reference
-from pallas_attn.metadata import BatchMetadata, bucket, cdiv
+from pallas_attn import reference
+from pallas_attn.core import backend
+from pallas_attn.core.metadata import BatchMetadata, bucket, cdiv
 from pallas_attn.testing import TOLERANCES, random_packed, relative_l2
 
 # The batch, in packing order: (kind, query_len, context_len). context_len = tokens cached before this step.

@@ -70,11 +70,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_attn.decode import paged_decode_attention
-from pallas_attn.paged import paged_attention
-from pallas_attn.prefill import varlen_attention
-from pallas_attn.softmax import merge_attention_states
-from pallas_attn.sparse import sparse_mla_attention
+from pallas_attn.ops.decode import paged_decode_attention
+from pallas_attn.ops.paged import paged_attention
+from pallas_attn.ops.varlen import varlen_attention
+from pallas_attn.ops.merge import merge_attention_states
+from pallas_attn.ops.sparse_mla import sparse_mla_attention
 
 __all__ = ["ContextShards", "context_parallel_decode", "cross_device_merge", "shard_paged_cache", "split_context_pages",
            "tensor_parallel", "tensor_parallel_specs"]

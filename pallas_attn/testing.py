@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_attn.metadata import cu_seqlens_from_lens
+from pallas_attn.core.metadata import cu_seqlens_from_lens
 
 # Relative L2 tolerance by the dtype of the kernel's inputs. float32: interpret mode and GPU dots without TF32
 # agree with the float32 reference to rounding; half precisions lose ~3 (fp16) or ~8 (bf16) mantissa bits in P·V.

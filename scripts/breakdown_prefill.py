@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from pallas_attn import prefill_mosaic as pm  # noqa: E402
+from pallas_attn.kernels.mosaic import prefill as pm  # noqa: E402
 from probe_prefill_mosaic import WORKLOADS, inputs, timeit  # noqa: E402
 
 

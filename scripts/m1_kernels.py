@@ -55,7 +55,9 @@ if mode == "time":  # the short launch's config and split, timed (not under ncu)
     import itertools
     import time
 
-    from pallas_attn import DecodeConfig, config as config_lib, paged
+    from pallas_attn import DecodeConfig
+    from pallas_attn.core import config as config_lib
+    from pallas_attn.ops import paged
     ccfg = config_lib.default_chunk_config(D, BS, 2)
     for cfg, ss in itertools.product(
             [DecodeConfig(block_n=128), DecodeConfig(block_n=64), DecodeConfig(block_n=128, num_stages=3),

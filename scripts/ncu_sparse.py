@@ -7,8 +7,8 @@ import importlib.util, os, sys
 import jax
 sys.path.insert(0, ".")
 from benchmarks import workloads
-from pallas_attn import config as config_lib
-import pallas_attn.sparse as new_mod
+from pallas_attn.core import config as config_lib
+import pallas_attn.ops.sparse_mla as new_mod
 
 name, *rest = sys.argv[1].split(":")
 mod = new_mod

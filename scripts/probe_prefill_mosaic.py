@@ -24,7 +24,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_attn import prefill_mosaic, varlen_attention  # noqa: E402
+from pallas_attn import varlen_attention  # noqa: E402
+from pallas_attn.kernels.mosaic import prefill as prefill_mosaic
 from pallas_attn.testing import relative_l2  # noqa: E402
 
 P1 = [8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256]

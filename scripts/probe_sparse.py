@@ -15,8 +15,8 @@ import dataclasses, importlib.util, json, os, sys, time
 import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, ".")
 from benchmarks import workloads, timing
-from pallas_attn import config as config_lib
-import pallas_attn.sparse as new_mod
+from pallas_attn.core import config as config_lib
+import pallas_attn.ops.sparse_mla as new_mod
 import reference
 
 mods = {"new": new_mod}

@@ -6,7 +6,7 @@ import json, os, sys, time, itertools
 import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, ".")
 from pallas_attn import varlen_attention, paged_decode_attention, paged_attention, sparse_mla_attention
-from pallas_attn.config import PrefillConfig, DecodeConfig, SparseConfig
+from pallas_attn.core.config import PrefillConfig, DecodeConfig, SparseConfig
 
 OUT = os.environ.get("OUT", "/tmp")
 rows = []

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import backend
+from pallas_attn.core import backend
 from pallas_attn.testing import TOLERANCES  # noqa: F401  (the one tolerance table)
 
 ON_GPU = backend.on_gpu()

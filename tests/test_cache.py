@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn.cache import allocate_kv_cache, gather_kv, write_kv_cache
-from pallas_attn.metadata import build_metadata
+from pallas_attn.core.cache import allocate_kv_cache, gather_kv, write_kv_cache
+from pallas_attn.core.metadata import build_metadata
 
 NUM_KV_HEADS, HEAD_DIM = 2, 8
 

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import DecodeConfig, config as config_lib, merge_attention_states, paged_decode_attention, reference
+from pallas_attn import DecodeConfig, merge_attention_states, paged_decode_attention, reference
+from pallas_attn.core import config as config_lib
 from pallas_attn.testing import assert_attention_close, make_paged_kv
 
 SMALL = DecodeConfig(block_n=16)

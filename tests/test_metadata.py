@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn.metadata import BatchMetadata, bucket, build_metadata, cu_seqlens_from_lens
+from pallas_attn.core.metadata import BatchMetadata, bucket, build_metadata, cu_seqlens_from_lens
 
 # (query_lens, context_lens): named scenarios, with empty and length-1 requests and awkward lengths.
 SCENARIOS = {
@@ -231,7 +231,7 @@ def test_validate_catches(name):
 
 def test_segment_items_maps_slots_to_request_items():
     """Zero-count requests own no slot; slots past the last item are -1 (index 0)."""
-    from pallas_attn.metadata import segment_items
+    from pallas_attn.core.metadata import segment_items
     owner, index, cu = segment_items(jnp.asarray([2, 0, 3], jnp.int32), 7)
     assert np.asarray(owner).tolist() == [0, 0, 2, 2, 2, -1, -1]
     assert np.asarray(index).tolist() == [0, 1, 0, 1, 2, 0, 0]

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import paged_decode_attention, softmax, varlen_attention
+from pallas_attn import paged_decode_attention, varlen_attention
+from pallas_attn.core import softmax
 from pallas_attn.testing import relative_l2
 
 

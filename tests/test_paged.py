@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import (DecodeConfig, allocate_kv_cache, build_metadata, config, paged, paged_attention,
-                         paged_decode_attention, reference, write_kv_cache)
+from pallas_attn import (DecodeConfig, allocate_kv_cache, build_metadata, paged_attention, paged_decode_attention,
+                         reference, write_kv_cache)
+from pallas_attn.core import config
+from pallas_attn.kernels.triton import paged
 from pallas_attn.testing import assert_attention_close, make_paged_kv
 
 SMALL = DecodeConfig(block_n=16)
@@ -76,7 +78,7 @@ def test_short_launch_splits_on_its_own(split, layout, rng):
     args = _inputs(rng, q_lens, seq_lens, bs, hq, hkv, d, dtype)
     short_splits = config.resolve_splits(1, args[3].shape[1] * bs, SMALL.block_n, split.get("num_splits"),
                                          split.get("split_size"))
-    out, lse = paged._ragged_call(*args, max_query_len=32, scale=d ** -0.5, num_splits=1, split_size=None,
+    out, lse = paged.ragged_paged_triton(*args, max_query_len=32, scale=d ** -0.5, num_splits=1, split_size=None,
                                   interpret=True, cfg=SMALL, chunk_cfg=SMALL, short_splits=short_splits)
     _check(out, lse, args, dtype, q_lens)
     whole = paged_attention(*args, max_query_len=32, config=SMALL, num_splits=1)

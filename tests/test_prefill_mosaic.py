@@ -105,7 +105,7 @@ def test_isolation_under_nan(rng, pad):
 def test_padding_rounds(rng, monkeypatch):
     """With fewer padding programs than 512-row chunks of padding (MAX_PAD_SLOTS), each loops over rounds: every
     padding row still comes out 0 and the requests' rows stay right."""
-    from pallas_attn import prefill_mosaic
+    from pallas_attn.kernels.mosaic import prefill as prefill_mosaic
     monkeypatch.setattr(prefill_mosaic, "MAX_PAD_SLOTS", 1)  # shapes no other test uses: a fresh trace
     lens = [37, 9]
     q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16, pad=1100)  # 3 rounds of one program
@@ -143,7 +143,7 @@ def test_config_is_triton_only():
 def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, knobs):
     """The compiled path's lowering (wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked without a GPU at a
     P1-sized shape: what the interpreter does not exercise (tiling/alignment proofs, layouts) fails here."""
-    from pallas_attn import prefill_mosaic
+    from pallas_attn.kernels.mosaic import prefill as prefill_mosaic
     s = jax.ShapeDtypeStruct
     args = (s((num_tokens, 32, head_dim), jnp.bfloat16), s((num_tokens, 8, head_dim), jnp.bfloat16),
             s((num_tokens, 8, head_dim), jnp.bfloat16), s((17,), jnp.int32))
@@ -174,7 +174,8 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, knobs):
 ])
 def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, max_seqlen, num_tokens, expected):
     """``backend=None`` picks the kernel measured faster on the H200 for the shape (benchmarks/NOTES.md)."""
-    from pallas_attn import backend, prefill
+    from pallas_attn.core import backend
+    from pallas_attn.ops import varlen as prefill
     monkeypatch.setattr(backend, "is_hopper", lambda: hopper)
     q, k = (jax.ShapeDtypeStruct((num_tokens, h, head_dim), dtype) for h in (4, 2))
     assert prefill.default_backend(q, k, max_seqlen, interpret) == expected
@@ -187,7 +188,7 @@ def test_work_list_covers_every_item_once(lens, extra, causal, group, compute_wg
     """The static work list holds every (request, tile, head) item exactly once, in programs of ``compute_wgs``
     consecutive items of one request, heaviest program first, unused slots last (-1); ``slot`` inverts the order
     (the LSE gather relies on it)."""
-    from pallas_attn.prefill_mosaic import BLOCK_Q, ROW_ALIGN, _work_list, num_work_slots
+    from pallas_attn.kernels.mosaic.prefill import BLOCK_Q, ROW_ALIGN, _work_list, num_work_slots
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = int(cu[-1]) + extra
     max_seqlen = max(lens)
@@ -216,7 +217,7 @@ def test_staged_windows_hold_every_window_not_read_in_place(lens, extra, block_k
     """Request b's K/V window j (its keys block_kv · [j, j + 1)) is read in place only where a TMA into tiled shared
     memory can (start a multiple of 8) and the window lies inside the request; every other window is staged, zeros
     past the request's end, within the static staged buffer. Aligned requests stage at most their last window."""
-    from pallas_attn.prefill_mosaic import ROW_ALIGN, _stage_kv
+    from pallas_attn.kernels.mosaic.prefill import ROW_ALIGN, _stage_kv
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = max(int(cu[-1]) + extra, 1)  # varlen_attention returns at once on no tokens
     k = np.arange(1, num_tokens + 1, dtype=np.float32)[:, None, None] * np.ones((1, 2, 16), np.float32)
@@ -242,7 +243,8 @@ def test_staged_windows_hold_every_window_not_read_in_place(lens, extra, block_k
 @pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
 def test_two_compute_warpgroups(rng):
     """``compute_wgs=2`` (the tuning knob the probe compares against): the same items, two to a program."""
-    from pallas_attn import backend, prefill_mosaic
+    from pallas_attn.core import backend
+    from pallas_attn.kernels.mosaic import prefill as prefill_mosaic
     lens = [130, 1, 70]
     q, k, v, cu = _inputs(rng, lens, 6, 2, 64, jnp.bfloat16)
     out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=True,
@@ -261,7 +263,8 @@ def test_p_chunks(rng, p_chunks):
     """``p_chunks`` other than the default 2 (a probe knob): 1, the step's exponentials packed to bf16 at once
     (``softmax_update``); 4, packed a 32-column block at a time. Masked diagonal tiles and a request shorter than a
     block included."""
-    from pallas_attn import backend, prefill_mosaic
+    from pallas_attn.core import backend
+    from pallas_attn.kernels.mosaic import prefill as prefill_mosaic
     lens = [130, 1, 70]
     q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16)
     out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=True,

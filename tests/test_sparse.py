@@ -132,7 +132,7 @@ def test_mosaic_split_matches_reference(monkeypatch, rng):
     """Each token's top-k list shared by 4 programs per head block, partial outputs merged (the default rule splits
     lists of 1024+ positions of small batches; forced here on a shorter one, with the usual hostile inputs: token 0
     sees nothing, token 1 is a real merge)."""
-    from pallas_attn import sparse_mosaic
+    from pallas_attn.kernels.mosaic import sparse_mla as sparse_mosaic
 
     monkeypatch.setattr(sparse_mosaic, "default_splits", lambda *args: 4)
     _check_against_reference(rng, [5000, 3000], None, 128, 576, 512, 64, 512, jnp.bfloat16, backend="mosaic")
@@ -146,7 +146,7 @@ def test_mosaic_lowers_for_cuda(heads, topk, block_size, splits):
     lowers, any top-k (the rows are resolved a tile at a time)."""
     import jax
 
-    from pallas_attn import sparse_mosaic
+    from pallas_attn.kernels.mosaic import sparse_mla as sparse_mosaic
 
     S = jax.ShapeDtypeStruct
     topk_p = -(-topk // sparse_mosaic.BLOCK_N) * sparse_mosaic.BLOCK_N
@@ -169,7 +169,8 @@ def test_mosaic_lowers_for_cuda(heads, topk, block_size, splits):
     (False, False, 128, jnp.bfloat16, "triton"),
 ])
 def test_default_backend_rule(monkeypatch, hopper, interpret, heads, dtype, expected):
-    from pallas_attn import backend, sparse
+    from pallas_attn.core import backend
+    from pallas_attn.ops import sparse_mla as sparse
 
     monkeypatch.setattr(backend, "is_hopper", lambda: hopper)
     q = jnp.zeros((2, heads, 576), dtype)
@@ -187,7 +188,7 @@ def test_default_backend_rule(monkeypatch, hopper, interpret, heads, dtype, expe
     (6, 1, 1),
 ])
 def test_default_splits(programs, tiles, expected):
-    from pallas_attn import sparse_mosaic
+    from pallas_attn.kernels.mosaic import sparse_mla as sparse_mosaic
 
     assert sparse_mosaic.default_splits(programs, tiles, num_sms=132) == expected
 

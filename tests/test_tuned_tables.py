@@ -7,9 +7,9 @@ import dataclasses
 import runpy
 import shutil
 
-import pallas_attn.tuned
+import pallas_attn.core.tuned
 from benchmarks import sweep
-from pallas_attn.config import DecodeConfig, PrefillConfig
+from pallas_attn.core.config import DecodeConfig, PrefillConfig
 
 
 def _proposal(kernel, table, key, cfg):
@@ -18,7 +18,7 @@ def _proposal(kernel, table, key, cfg):
 
 def test_write_tables_round_trip(tmp_path):
     path = tmp_path / "tuned.py"
-    shutil.copy(pallas_attn.tuned.__file__, path)
+    shutil.copy(pallas_attn.core.tuned.__file__, path)
     prefill = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=4)
     decode = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
     written = sweep.write_tables([_proposal("prefill", "PREFILL_TABLE", ("NVIDIA H200", 128), prefill),
@@ -33,4 +33,4 @@ def test_write_tables_round_trip(tmp_path):
     assert PrefillConfig(**tables["PREFILL"][("NVIDIA B200", 64)]) == PrefillConfig()
     assert DecodeConfig(**tables["DECODE"][("NVIDIA H200", 128)]) == decode
     assert tables["CHUNK"] == {} and tables["SPARSE"] == {}
-    assert tables["__doc__"] == pallas_attn.tuned.__doc__  # the module docstring survives the rewrite
+    assert tables["__doc__"] == pallas_attn.core.tuned.__doc__  # the module docstring survives the rewrite

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import validation as v
+from pallas_attn.core import validation as v
 
 F32 = jnp.zeros((2, 4, 64), jnp.float32)
 CACHE = jnp.zeros((3, 16, 2, 64), jnp.float32)

@@ -74,7 +74,7 @@ def report(fn, args, *, num_warps: int, num_stages: int, label: str, launches=No
 
 
 def main():
-    from pallas_attn import config as cfg
+    from pallas_attn.core import config as cfg
     from pallas_attn import paged_attention, paged_decode_attention, sparse_mla_attention, varlen_attention
 
     S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pallas_attn import backend, tuned
+from pallas_attn.core import backend, tuned
 
 
 def next_pow2(n: int) -> int:

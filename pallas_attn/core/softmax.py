@@ -120,31 +120,9 @@ def merge_split_outputs(out, lse, num_splits: int, shape: tuple, dtype):
     are ``num_splits`` float32 partial states, merged here (the second pass of split-KV)."""
     if num_splits == 1:
         return out.reshape(shape), lse.reshape(shape[:-1])
-    out, lse = merge_attention_states(out.reshape(num_splits, *shape), lse.reshape(num_splits, *shape[:-1]))
+    out, lse = out.reshape(num_splits, *shape), lse.reshape(num_splits, *shape[:-1])
+    out, lse = fold_split_states(num_splits, lambda s: lse[s], lambda s: out[s], shape[:-1], shape)
     return out.astype(dtype), lse
-
-
-@jax.jit
-def merge_attention_states(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Merge attention computed over disjoint key sets (split-KV segments, context-parallel shards).
-
-    ``m = max_s lse_s``, ``w_s = exp(lse_s - m)``, ``out = Σ_s w_s·out_s / Σ_s w_s``, ``lse = m + log Σ_s w_s``.
-
-    Args:
-      outs: ``[S, ..., D]`` per-split normalised outputs (any dtype; merged in float32).
-      lses: ``[S, ...]`` float32 natural-log LSE per split; ``-inf`` marks an empty split, whose ``outs`` entry is
-        ignored even if it is NaN.
-
-    Returns:
-      ``(out [..., D] float32, lse [...] float32)``; a row whose splits are all empty gives 0 and ``-inf``.
-
-    The sum over splits is a left fold in split order, so appending empty splits (a wider static split count)
-    changes no bit of the result: this is what makes fixed-``split_size`` decoding batch invariant.
-
-    Example:
-      >>> out, lse = merge_attention_states(jnp.stack([o1, o2]), jnp.stack([lse1, lse2]))
-    """
-    return fold_split_states(outs.shape[0], lambda s: lses[s], lambda s: outs[s], lses.shape[1:], outs.shape[1:])
 
 
 def _unrolled(n: int, body, init):
@@ -154,10 +132,10 @@ def _unrolled(n: int, body, init):
 
 
 def fold_split_states(num_splits: int, lse_at, out_at, lse_shape: tuple, out_shape: tuple, loop=_unrolled):
-    """The merge of :func:`merge_attention_states` over states fetched one split at a time: ``lse_at(s)``
-    ``[...]``, ``out_at(s)`` ``[..., D]``. A left fold in split order, empty (``-inf``) splits ignored even where
+    """The split-KV merge (:func:`pallas_attn.merge_attention_states`) over states fetched one split at a time:
+    ``lse_at(s)`` ``[...]``, ``out_at(s)`` ``[..., D]``. A left fold in split order, empty (``-inf``) splits ignored even where
     their outputs are NaN. ``loop(n, body, init)`` runs the folds: unrolled in XLA, ``lax.fori_loop`` inside a
-    kernel (:mod:`pallas_attn.paged` merges one launch's partial states in the next launch's programs).
+    kernel (:mod:`pallas_attn.kernels.triton.paged` merges one launch's partial states in the next launch's programs).
 
     Returns ``(out [..., D] float32, lse [...] float32)``."""
     m = loop(num_splits, lambda s, m: jnp.maximum(m, lse_at(s).astype(jnp.float32)),

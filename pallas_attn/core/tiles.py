@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import masks, softmax
+from pallas_attn.core import masks, softmax
 
 MIN_DOT_ROWS = 16  # tensor-core dots want M >= 16: GQA groups / short query blocks are padded up to this many rows
 

@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_attn import masks, metadata, softmax, tiles
+from pallas_attn.core import masks, metadata, softmax, tiles
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 COMPUTE_WGS = 3  # items (query tile, head) per program, one per compute warpgroup

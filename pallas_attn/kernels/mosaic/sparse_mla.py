@@ -23,7 +23,7 @@ applies), written FlashMLA-style for the backend that reaches Hopper's own instr
 * ``q`` is loaded once by TMA; after the last tile its shared memory holds the outputs (a ref union), stored by TMA.
 * a small batch with a long top-k list (fewer programs than half the SMs) shares each list among several programs,
   grid ``(num_tokens, H / 64, splits)``, whose partial outputs and LSEs are merged by
-  :func:`pallas_attn.softmax.merge_attention_states` (:func:`default_splits`).
+  :func:`pallas_attn.merge_attention_states` (:func:`default_splits`).
 
 Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048 of 32k, block size 64;
 ``benchmarks/results/2026-12-01-nvidia-h200-session7-S1-final.json``): 442 TFLOP/s (82.6 us, 1,827 GB/s of gathered
@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
-from pallas_attn import backend, softmax
+from pallas_attn.core import backend, softmax
 
 BLOCK_H = 64  # heads per program: one wgmma M tile
 BLOCK_N = 64  # selected rows per shared-memory slot
@@ -391,7 +391,7 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, *, kv_
     launch's 3 × 168, so the sum must stay <= 504 (more and the compute warpgroups' increase waits forever).
     ``num_splits``: programs per (token, 64 heads), each taking an equal share of the top-k tiles (a divisor of their
     number; None: :func:`default_splits`); their partial outputs are merged by
-    :func:`pallas_attn.softmax.merge_attention_states`."""
+    :func:`pallas_attn.merge_attention_states`."""
     num_tokens, num_heads, dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     topk = topk_indices.shape[1]

@@ -7,7 +7,7 @@ K/V are read once per group. It reads its request's block-table entries as scala
 has no scalar prefetch) and gathers ``block_n`` keys — several pages — per step.
 
 With ``num_splits > 1`` each segment writes a partial ``O_s`` and ``LSE_s`` (float32) and
-:func:`pallas_attn.softmax.merge_attention_states` merges them (the jitted second pass). ``num_splits=None``
+:func:`pallas_attn.merge_attention_states` merges them (the jitted second pass). ``num_splits=None``
 picks by :func:`pallas_attn.config.resolve_splits` (fill the GPU when the batch cannot; cut long tails when it
 can); ``num_splits=1`` is the single pass with no merge.
 ``split_size=`` (tokens) fixes the segments' boundaries instead, so a request's output is bit-identical whatever
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn import backend, config as config_lib, masks, softmax, tiles, validation
+from pallas_attn.core import config as config_lib, masks, softmax, tiles
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
@@ -68,7 +68,7 @@ def _decode_kernel(
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def _decode_call(q, k_cache, v_cache, block_tables, context_lens, *, scale, num_splits, split_size, interpret,
+def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, *, scale, num_splits, split_size, interpret,
                  cfg: config_lib.DecodeConfig):
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -100,55 +100,3 @@ def _decode_call(q, k_cache, v_cache, block_tables, context_lens, *, scale, num_
     )(context_lens, block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
       v_cache.reshape(-1, head_dim))
     return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype)
-
-
-# ------------------------------------------------------------------------------------------- public function
-def _validate(q, k_cache, v_cache, block_tables, context_lens):
-    validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_seqs, num_q_heads, head_dim]")
-    validation.check_rank("context_lens", context_lens, 1, "i32[num_seqs]")
-    validation.check_int32("context_lens", context_lens)
-    validation.check_shape("context_lens", context_lens, (q.shape[0],), "i32[num_seqs] with num_seqs = q.shape[0]")
-    if block_tables.shape[0] != q.shape[0]:
-        raise ValueError(f"block_tables must be i32[num_seqs, max_blocks] with num_seqs = q.shape[0] = "
-                         f"{q.shape[0]}; got {tuple(block_tables.shape)}")
-
-
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "split_size", "return_lse",
-                                             "interpret", "config"))
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale: float | None = None,
-                           num_splits: int | None = None, split_size: int | None = None, return_lse: bool = False,
-                           interpret: bool | None = None, config: config_lib.DecodeConfig | None = None):
-    """One query per request against its paged K/V.
-
-    Args:
-      q: ``[num_seqs, num_q_heads, head_dim]`` float32 / bfloat16 / float16.
-      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` page pool (block_size a power of two
-        in [1, 256]), same dtype as q.
-      block_tables: ``i32[num_seqs, max_blocks]``; entry ``[b, i]`` is the physical page of request b's logical
-        page i. Entries past a request's last page may hold anything (-1 included): they are never read.
-      context_lens: ``i32[num_seqs]`` keys each query sees (its own included); 0 gives output 0 and LSE -inf.
-      softmax_scale: default ``1/sqrt(head_dim)``.
-      num_splits: split-KV segments per request (static). None: heuristic from num_seqs × num_kv_heads, the
-        table's capacity ``max_blocks * block_size`` and the SM count; 1: single pass, no merge.
-      split_size: fixed segment length in tokens (multiple of ``config.block_n``) instead of a count: outputs are
-        then bit-identical whatever else is in the batch (batch invariance), at the price of a merge pass even
-        when the GPU is already full.
-      return_lse: also return ``f32[num_seqs, num_q_heads]`` natural-log LSE.
-      interpret: None → compiled on GPU, interpreted on CPU.
-      config: :class:`pallas_attn.config.DecodeConfig`; None → tuned default.
-
-    Returns:
-      ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``).
-
-    Example:
-      >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
-    """
-    _validate(q, k_cache, v_cache, block_tables, context_lens)
-    cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
-    splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2],
-                                                   block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
-                                                   num_splits, split_size)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = _decode_call(q, k_cache, v_cache, block_tables, context_lens, scale=float(scale), num_splits=splits,
-                            split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg)
-    return (out, lse) if return_lse else out

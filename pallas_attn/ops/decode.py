@@ -1,0 +1,66 @@
+"""``paged_decode_attention``: one query per request over a paged cache — validation, split choice, the jitted
+public function.
+
+Kernel: :mod:`pallas_attn.kernels.triton.decode`. Reference: :func:`pallas_attn.reference.paged_decode_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_attn.core import backend, config as config_lib, validation
+from pallas_attn.kernels.triton import decode as triton_decode
+
+
+def _validate(q, k_cache, v_cache, block_tables, context_lens):
+    validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_seqs, num_q_heads, head_dim]")
+    validation.check_rank("context_lens", context_lens, 1, "i32[num_seqs]")
+    validation.check_int32("context_lens", context_lens)
+    validation.check_shape("context_lens", context_lens, (q.shape[0],), "i32[num_seqs] with num_seqs = q.shape[0]")
+    if block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables must be i32[num_seqs, max_blocks] with num_seqs = q.shape[0] = "
+                         f"{q.shape[0]}; got {tuple(block_tables.shape)}")
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "split_size", "return_lse",
+                                             "interpret", "config"))
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale: float | None = None,
+                           num_splits: int | None = None, split_size: int | None = None, return_lse: bool = False,
+                           interpret: bool | None = None, config: config_lib.DecodeConfig | None = None):
+    """One query per request against its paged K/V.
+
+    Args:
+      q: ``[num_seqs, num_q_heads, head_dim]`` float32 / bfloat16 / float16.
+      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` page pool (block_size a power of two
+        in [1, 256]), same dtype as q.
+      block_tables: ``i32[num_seqs, max_blocks]``; entry ``[b, i]`` is the physical page of request b's logical
+        page i. Entries past a request's last page may hold anything (-1 included): they are never read.
+      context_lens: ``i32[num_seqs]`` keys each query sees (its own included); 0 gives output 0 and LSE -inf.
+      softmax_scale: default ``1/sqrt(head_dim)``.
+      num_splits: split-KV segments per request (static). None: heuristic from num_seqs × num_kv_heads, the
+        table's capacity ``max_blocks * block_size`` and the SM count; 1: single pass, no merge.
+      split_size: fixed segment length in tokens (multiple of ``config.block_n``) instead of a count: outputs are
+        then bit-identical whatever else is in the batch (batch invariance), at the price of a merge pass even
+        when the GPU is already full.
+      return_lse: also return ``f32[num_seqs, num_q_heads]`` natural-log LSE.
+      interpret: None → compiled on GPU, interpreted on CPU.
+      config: :class:`pallas_attn.config.DecodeConfig`; None → tuned default.
+
+    Returns:
+      ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``).
+
+    Example:
+      >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+    """
+    _validate(q, k_cache, v_cache, block_tables, context_lens)
+    cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
+    splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2],
+                                                   block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
+                                                   num_splits, split_size)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = triton_decode.paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale=float(scale),
+                                                 num_splits=splits, split_size=split_size,
+                                                 interpret=backend.resolve_interpret(interpret), cfg=cfg)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,93 @@
+"""``paged_attention``: decode, verification, chunked and fresh prefill in one call over a paged cache —
+validation, split choice per launch, the jitted public function.
+
+Kernel: :mod:`pallas_attn.kernels.triton.paged`. Reference: :func:`pallas_attn.reference.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+
+from pallas_attn.core import backend, config as config_lib, validation
+from pallas_attn.kernels.triton import paged as triton_paged
+
+
+def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len):
+    validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_tokens, num_q_heads, head_dim]")
+    num_seqs = block_tables.shape[0]
+    validation.check_int32("seq_lens", seq_lens)
+    validation.check_shape("seq_lens", seq_lens, (num_seqs,), "i32[num_seqs] with num_seqs = block_tables.shape[0]")
+    validation.check_int32("cu_query_lens", cu_query_lens)
+    validation.check_shape("cu_query_lens", cu_query_lens, (num_seqs + 1,),
+                           "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
+    validation.check_static_positive("max_query_len", max_query_len)
+
+
+@functools.partial(jax.jit, static_argnames=("max_query_len", "softmax_scale", "num_splits", "split_size",
+                                             "return_lse", "interpret", "config", "chunk_config"))
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len: int,
+                    softmax_scale: float | None = None, num_splits: int | None = None, split_size: int | None = None,
+                    return_lse: bool = False, interpret: bool | None = None,
+                    config: config_lib.DecodeConfig | None = None, chunk_config: config_lib.DecodeConfig | None = None):
+    """Mixed batch of decode / verification / chunked-prefill / prefill requests over a paged K/V cache.
+
+    Args:
+      q: ``[num_tokens, num_q_heads, head_dim]`` packed new tokens; rows at or past ``cu_query_lens[-1]`` are
+        padding (output 0, LSE -inf).
+      k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the new tokens' K/V are already written
+        (see :func:`pallas_attn.write_kv_cache`).
+      block_tables: ``i32[num_seqs, max_blocks]``; entries past a request's last page are never read.
+      seq_lens: ``i32[num_seqs]`` keys of each request, its new tokens included.
+      cu_query_lens: ``i32[num_seqs + 1]`` cumulative new-token counts (``q_len`` may be 0).
+      max_query_len: static bound on ``q_len`` (bucketed); picks the query block size.
+      softmax_scale: default ``1/sqrt(head_dim)``.
+      num_splits / split_size: split-KV as in :func:`pallas_attn.paged_decode_attention`, for any ``q_len``.
+      return_lse: also return ``f32[num_tokens, num_q_heads]``.
+      interpret: None → compiled on GPU, interpreted on CPU.
+      config: :class:`pallas_attn.config.DecodeConfig` (``block_q`` = tokens per query block) for decode and
+        verification rows; a fixed ``block_q`` runs the whole batch in one launch with it.
+      chunk_config: the same for prefill chunks (``q_len > 16``) of a mixed batch, which run in a second launch with
+        prefill-sized tiles; default :func:`pallas_attn.config.default_chunk_config`.
+
+    Returns:
+      ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``).
+
+    Example:
+      >>> md = build_metadata(query_lens=[1, 6, 512], context_lens=[900, 4000, 0], block_size=16)
+      >>> out = paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_query_lens,
+      ...                       max_query_len=md.max_query_len)
+    """
+    _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len)
+    cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
+    chunk_cfg = chunk_config or config_lib.default_chunk_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
+    group_padded = config_lib.next_pow2(q.shape[1] // k_cache.shape[2])
+    block_q = triton_paged.query_block_tokens(max_query_len, group_padded, cfg.block_q)
+    two_pass = triton_paged.two_launches(max_query_len, cfg)
+    # Fixed split_size segments must be whole tiles of both passes (block_n are powers of two: the max divides).
+    split_block_n = max(cfg.block_n, chunk_cfg.block_n) if two_pass else cfg.block_n
+    if split_size is not None and two_pass and split_size % split_block_n:
+        raise ValueError(f"{split_size=} must be a multiple of both passes' KV tiles (config.block_n={cfg.block_n}, "
+                         f"chunk_config.block_n={chunk_cfg.block_n}) when max_query_len={max_query_len} > "
+                         f"{triton_paged.SHORT_QUERY_LEN}; pass a larger split_size or a chunk_config with a smaller "
+                         f"block_n")
+    capacity = block_tables.shape[1] * k_cache.shape[1]
+    short_splits = None
+    if two_pass and num_splits is None and split_size is None:
+        short_splits, chunk_splits = triton_paged.launch_splits(q.shape, q.dtype.itemsize, k_cache.shape,
+                                                                block_tables.shape, max_query_len, cfg, chunk_cfg)
+    if short_splits is not None and chunk_splits == 1:
+        splits = 1
+    else:  # one launch, a split size given, or chunks that split: one split plan for every row
+        short_splits = None
+        work_blocks = max(block_tables.shape[0], pl.cdiv(q.shape[0], block_q))
+        splits, split_size = config_lib.resolve_splits(work_blocks * k_cache.shape[2], capacity, split_block_n,
+                                                       num_splits, split_size)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = triton_paged.ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
+                                                max_query_len=max_query_len, scale=float(scale), num_splits=splits,
+                                                split_size=split_size, interpret=backend.resolve_interpret(interpret),
+                                                cfg=cfg, chunk_cfg=chunk_cfg, short_splits=short_splits)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,121 @@
+"""``sparse_mla_attention``: top-k sparse MLA over a paged latent cache — validation, backend choice, the jitted
+public function.
+
+Kernels: :mod:`pallas_attn.kernels.triton.sparse_mla` and :mod:`pallas_attn.kernels.mosaic.sparse_mla` (Hopper).
+Reference: :func:`pallas_attn.reference.sparse_mla_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_attn.core import backend as backend_lib, config as config_lib, metadata, validation
+from pallas_attn.kernels.mosaic import sparse_mla as mosaic_sparse
+from pallas_attn.kernels.triton import sparse_mla as triton_sparse
+
+
+def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_rank):
+    validation.check_rank("q", q, 3, "[num_tokens, num_heads, kv_lora_rank + rope_dim]")
+    validation.check_rank("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
+    validation.check_float("q", q)
+    validation.check_same_dtype(("q", "kv_cache"), q, kv_cache)
+    if kv_cache.shape[2] != q.shape[2]:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, {q.shape[2]}] (q's dim); "
+                         f"got {tuple(kv_cache.shape)}")
+    if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
+        raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
+    validation.check_block_size(kv_cache.shape[1])
+    validation.check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
+    validation.check_int32("block_tables", block_tables)
+    validation.check_rank("topk_indices", topk_indices, 2, "i32[num_tokens, topk]")
+    validation.check_int32("topk_indices", topk_indices)
+    if topk_indices.shape[0] != q.shape[0] or topk_indices.shape[1] < 1:
+        raise ValueError(f"topk_indices must be i32[num_tokens={q.shape[0]}, topk >= 1]; "
+                         f"got {tuple(topk_indices.shape)}")
+    if cu_query_lens is None:
+        if block_tables.shape[0] != q.shape[0]:
+            raise ValueError(f"without cu_query_lens every token is its own request: block_tables must be "
+                             f"i32[num_tokens={q.shape[0]}, max_blocks]; got {tuple(block_tables.shape)}")
+    else:
+        validation.check_int32("cu_query_lens", cu_query_lens)
+        validation.check_shape("cu_query_lens", cu_query_lens, (block_tables.shape[0] + 1,),
+                               "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
+
+
+BACKENDS = backend_lib.BACKENDS
+
+
+def _padded_topk(topk: int) -> int:
+    return pl.cdiv(topk, mosaic_sparse.BLOCK_N) * mosaic_sparse.BLOCK_N
+
+
+# Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048, 576/512 dims): the Mosaic kernel 442
+# TFLOP/s, the Triton kernel 178; faster on each other decode batch tried too (1-256 tokens, top-k 256-2048, 64 or
+# 128 heads; 16 tokens at top-k 256 the closest: 36.0 vs 40.5 us; benchmarks/results/*-session7-sparse-probe-shapes).
+# Only DeepSeek's 576 / 512 dims were measured (and tested compiled).
+MOSAIC_DIMS = ((576, 512),)
+
+
+def default_backend(q, kv_lora_rank: int, interpret: bool) -> str:
+    """``sparse_mla_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU where it applies and was
+    measured (576 / 512 dims), else "triton"."""
+    if interpret or not backend_lib.is_hopper() or (q.shape[-1], kv_lora_rank) not in MOSAIC_DIMS:
+        return "triton"
+    return "mosaic" if mosaic_sparse.supported(q, kv_lora_rank) is None else "triton"
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "return_lse", "interpret", "config",
+                                             "backend"))
+def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, kv_lora_rank: int = 512,
+                         softmax_scale: float | None = None, return_lse: bool = False,
+                         interpret: bool | None = None, config: config_lib.SparseConfig | None = None,
+                         backend: str | None = None):
+    """Each query token attends to its own top-k positions of its request's paged latent cache.
+
+    Args:
+      q: ``[num_tokens, num_heads, kv_lora_rank + rope_dim]`` bfloat16 (float16/float32 also run), absorbed.
+      kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` one shared latent head per position.
+      block_tables: ``i32[num_seqs, max_blocks]``.
+      topk_indices: ``i32[num_tokens, topk]`` request-local positions; ``-1`` = unused; duplicates count twice.
+        Indices must be below the request's length (:func:`pallas_attn.checked` verifies it).
+      cu_query_lens: ``i32[num_seqs + 1]``; None means one token per request (decode, ``num_tokens == num_seqs``).
+        Tokens at or past ``cu_query_lens[-1]`` are padding (output 0, LSE -inf).
+      kv_lora_rank: value dims (the first ``kv_lora_rank`` of each row); output ``[num_tokens, num_heads,
+        kv_lora_rank]``.
+      softmax_scale: default ``1/sqrt(q.shape[-1])`` (``1/sqrt(576)``).
+      return_lse: also return ``f32[num_tokens, num_heads]``; a row whose indices are all -1 gives 0 and -inf.
+      interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.backend`).
+      config: tiles / warps / stages of the Triton kernel (:class:`pallas_attn.config.SparseConfig`).
+      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.sparse_mosaic` (warp-specialised,
+        cp.async gather, wgmma; bf16/fp16, heads a multiple of 64, 64 rope dims, value dims a multiple of 64 in
+        (192, 512], any top-k, compiled only — anything else raises). None: :func:`default_backend` — Mosaic on a
+        compiled sm_90 GPU at 576 / 512 dims where it applies, else Triton.
+
+    Example:
+      >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request
+    """
+    _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_rank)
+    num_tokens = q.shape[0]
+    token_req = (jnp.arange(num_tokens, dtype=jnp.int32) if cu_query_lens is None
+                 else metadata.token_requests(cu_query_lens, num_tokens))
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    interpret = backend_lib.resolve_interpret(interpret)
+    topk = _padded_topk(topk_indices.shape[1])
+    backend = backend_lib.select_backend(
+        backend, config=config, default=lambda: default_backend(q, kv_lora_rank, interpret),
+        mosaic_unsupported=lambda: "interpret mode" if interpret else mosaic_sparse.supported(q, kv_lora_rank))
+    if backend == "mosaic":
+        if topk != topk_indices.shape[1]:
+            topk_indices = jnp.pad(topk_indices, ((0, 0), (0, topk - topk_indices.shape[1])), constant_values=-1)
+        out, lse = mosaic_sparse.sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req,
+                                                   kv_lora_rank=kv_lora_rank, scale=float(scale))
+        return (out, lse) if return_lse else out
+    cfg = config or config_lib.default_sparse_config(q.shape[1])
+    out, lse = triton_sparse.sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req,
+                                               kv_lora_rank=kv_lora_rank, scale=float(scale), interpret=interpret,
+                                               cfg=cfg)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,113 @@
+"""``varlen_attention``: packed varlen prefill — validation, backend choice, the jitted public function.
+
+Kernels: :mod:`pallas_attn.kernels.triton.prefill` and :mod:`pallas_attn.kernels.mosaic.prefill` (Hopper).
+Reference: :func:`pallas_attn.reference.varlen_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_attn.core import backend as backend_lib, config as config_lib, validation
+from pallas_attn.kernels.mosaic import prefill as mosaic_prefill
+from pallas_attn.kernels.triton import prefill as triton_prefill
+
+
+def _validate(q, k, v, cu_seqlens, max_seqlen):
+    validation.check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
+    validation.check_rank("k", k, 3, "[num_tokens, num_kv_heads, head_dim]")
+    validation.check_float("q", q)
+    validation.check_same_dtype(("q", "k", "v"), q, k, v)
+    validation.check_shape("v", v, k.shape, "k.shape")
+    validation.check_shape("k", k, (q.shape[0], k.shape[1], q.shape[2]),
+                           "[num_tokens, num_kv_heads, head_dim] matching q")
+    validation.check_head_dim("q", q.shape[2])
+    validation.check_gqa(q.shape[1], k.shape[1])
+    validation.check_rank("cu_seqlens", cu_seqlens, 1, "i32[num_seqs + 1]")
+    validation.check_int32("cu_seqlens", cu_seqlens)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be i32[num_seqs + 1] with num_seqs >= 1; got {tuple(cu_seqlens.shape)}")
+    validation.check_static_positive("max_seqlen", max_seqlen)
+
+
+BACKENDS = backend_lib.BACKENDS
+# The default on sm_90 (measured on the H200, benchmarks/NOTES.md, fourteenth session: GPU time a call, 20 calls in
+# one jitted function): the Mosaic kernel from this max_seqlen on, per head_dim, and only for batches of at least
+# MOSAIC_MIN_TOKENS packed rows; else the Triton kernel.
+# * Small batches: the Mosaic path costs 10-23 µs a call more (its work list and K/V staging launch: 16 and 8-10 µs
+#   of GPU time a call in the P1/P2 breakdown). One request of 512 tokens takes 0.043 ms against Triton's 0.020, one
+#   of 1024 ties (0.047 / 0.046), one of 2048 is Mosaic's (0.101 / 0.118).
+# * Head dim 128: Mosaic 64 x 512 (0.513 vs 0.660 ms) and every longer workload; Triton 512 x 64 (0.448 vs 0.622),
+#   1024 x 32 and 128 requests of 1-256 tokens at unaligned starts (0.302 vs 0.445: every K/V window staged).
+#   Uniform aligned batches of 128- and 256-token requests are Mosaic's by 11-14% (0.439 / 0.487, 0.453 / 0.515),
+#   but they share their max_seqlen with the mixed batch, where Mosaic takes 47% longer: the rule leaves them to
+#   Triton.
+# * Head dim 64 (half the matmul per softmax): Mosaic 16 x 2048 (0.783 vs 0.814 ms), 8 x 4096 and P1; Triton
+#   32 x 1024 (0.464 vs 0.517).
+MOSAIC_MIN_SEQLEN = {128: 512, 64: 2048}
+MOSAIC_MIN_TOKENS = 2048
+
+
+def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
+    """``varlen_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU where it applies and was measured
+    faster, else "triton"."""
+    if interpret or not backend_lib.is_hopper() or mosaic_prefill.supported(q, k) is not None:
+        return "triton"
+    long_enough = max_seqlen >= MOSAIC_MIN_SEQLEN.get(q.shape[-1], max_seqlen + 1)
+    return "mosaic" if long_enough and q.shape[0] >= MOSAIC_MIN_TOKENS else "triton"
+
+
+@functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "return_lse", "interpret",
+                                             "config", "backend"))
+def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = True, softmax_scale: float | None = None,
+                     return_lse: bool = False, interpret: bool | None = None,
+                     config: config_lib.PrefillConfig | None = None, backend: str | None = None):
+    """Attention over requests packed along the token axis; each request sees only its own tokens.
+
+    Args:
+      q: ``[num_tokens, num_q_heads, head_dim]`` float32 / bfloat16 / float16.
+      k, v: ``[num_tokens, num_kv_heads, head_dim]``, same dtype; ``num_q_heads % num_kv_heads == 0`` (GQA/MQA).
+      cu_seqlens: ``i32[num_seqs + 1]``, non-decreasing from 0; request ``b`` owns rows
+        ``[cu_seqlens[b], cu_seqlens[b+1])``. Rows at or past ``cu_seqlens[-1]`` are padding (output 0).
+      max_seqlen: static bound on every request's length (bucket it, e.g. next power of two, so batches share one
+        compiled program). A longer request is silently truncated: check with :func:`pallas_attn.checked`.
+      causal: request-local causal mask (query ``i`` sees keys ``j <= i``); False: each request attends to all of
+        its own tokens.
+      softmax_scale: default ``1/sqrt(head_dim)``.
+      return_lse: also return the natural-log LSE ``f32[num_tokens, num_q_heads]`` (``-inf`` for padding rows).
+      interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.backend`).
+      config: block sizes / warps / stages (:class:`pallas_attn.config.PrefillConfig`); None → tuned default.
+        Triton backend only.
+      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.prefill_mosaic` (wgmma, TMA, warp
+        specialisation; bf16/fp16, head_dim 64 or 128 — anything else raises; interpreted on CPU by the Mosaic
+        GPU interpreter). None: :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it applies and was
+        measured faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]`` and ``num_tokens >= MOSAIC_MIN_TOKENS``),
+        else Triton.
+
+    Returns:
+      ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked).
+
+    Example:
+      >>> cu = jnp.array([0, 6, 10], jnp.int32)          # request A: 6 tokens, B: 4 tokens
+      >>> out = varlen_attention(q, k, v, cu, max_seqlen=8)
+    """
+    _validate(q, k, v, cu_seqlens, max_seqlen)
+    if q.shape[0] == 0:  # no tokens: the kernels' grids and gathers need at least one row
+        return (q, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else q
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    interpret = backend_lib.resolve_interpret(interpret)
+    backend = backend_lib.select_backend(
+        backend, config=config, default=lambda: default_backend(q, k, max_seqlen, interpret),
+        mosaic_unsupported=lambda: mosaic_prefill.supported(q, k))
+    if backend == "mosaic":
+        out, lse = mosaic_prefill.varlen_attention_mosaic(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,
+                                                         scale=float(scale), return_lse=return_lse,
+                                                         interpret=interpret)
+        return (out, lse) if return_lse else out
+    cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
+    return triton_prefill.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,
+                                                 scale=float(scale), return_lse=return_lse, interpret=interpret,
+                                                 cfg=cfg)
