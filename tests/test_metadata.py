@@ -20,7 +20,7 @@ SCENARIOS = {
 
 
 def slots_by_loop(md):
-    """The seed's slot formula, one token at a time."""
+    """The slot formula, one token at a time."""
     slots = [-1] * md.num_tokens
     for i in range(md.num_seqs):
         for j in range(int(md.cu_query_lens[i + 1] - md.cu_query_lens[i])):

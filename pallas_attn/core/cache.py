@@ -4,7 +4,7 @@ Layout (vLLM / FlashAttention): `k_cache, v_cache [num_blocks, block_size, num_k
 share one pool of `num_blocks` pages of `block_size` tokens. The MLA latent cache drops the head axis:
 `[num_blocks, block_size, head_dim]` (`gather_kv` reads both).
 
-Slot formula (seed section 9), for position `pos` of request `req`:
+Slot formula (docs/design.md#paged-kv-layout), for position `pos` of request `req`:
     logical_block  = pos // block_size
     physical_block = block_tables[req][logical_block]
     slot           = physical_block * block_size + pos % block_size

@@ -1,4 +1,4 @@
-"""Tile classes and in-register masks shared by every kernel (seed §3–§4, §8).
+"""Tile classes and in-register masks shared by every kernel (docs/design.md#tile-classes).
 
 A query tile whose rows sit at absolute positions ``[q_first, q_last]`` of a request with ``kv_len`` keys meets the
 key tiles ``[j * block_n, (j + 1) * block_n)`` in three ways (causal)::

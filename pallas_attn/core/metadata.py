@@ -1,6 +1,6 @@
 """Request layer: one description of a packed batch, shared by every kernel.
 
-The seed's request layer: each request owns a `request_id` (its row `i`), a `seq_len`, a `query_start_loc`
+The request layer: each request owns a `request_id` (its row `i`), a `seq_len`, a `query_start_loc`
 (`cu_query_lens[i]`) and a `block_table` (row `i` of `block_tables`). The new tokens of all requests are packed
 along the token axis: query rows `cu_query_lens[i] : cu_query_lens[i + 1]` belong to request `i`; rows at or past
 `cu_query_lens[-1]` are padding.
@@ -14,7 +14,7 @@ Two kinds of "context length" exist in this field; this module names them apart:
   The `context_lens` ARGUMENT of the kernel `paged_decode_attention` means this quantity (decode convention:
   the new token is already written), so pass `BatchMetadata.seq_lens` there, not `.context_lens`.
 
-Paged cache (seed section 9): `logical_block = pos // block_size`,
+Paged cache (docs/design.md#paged-kv-layout): `logical_block = pos // block_size`,
 `physical_block = block_tables[i, logical_block]`, `slot = physical_block * block_size + pos % block_size`.
 `slot_mapping[t]` is that slot for the token in query row `t`, or -1 for a padding row.
 

@@ -1,4 +1,5 @@
-"""Online softmax (seed §7) and the split-KV merge (seed §12), shared by every kernel.
+"""Online softmax and the split-KV merge, shared by every kernel (docs/design.md#online-softmax,
+#split-kv-and-the-merge).
 
 Inside kernels scores live in the base-2 domain: ``s2 = q·k * softmax_scale * log2(e)``, so ``exp`` becomes
 ``exp2`` (one multiply folded into the scale). State per query row: running max ``m`` (base 2), running sum

@@ -1,4 +1,4 @@
-"""Tile memory access shared by the kernels: rows addressed by index vectors (seed §5, §11).
+"""Tile memory access shared by the kernels: rows addressed by index vectors (docs/design.md#the-grid).
 
 Every kernel sees its arrays flattened to 2-D ``[rows, head_dim]`` (a free reshape in the wrapper) and addresses a
 tile as a vector of row indices — packed tokens ``(seq_start + pos) * num_heads + head``, or paged slots
@@ -70,7 +70,7 @@ def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: 
     """Row indices ``[N]`` of key positions ``pos`` in the flattened ``[num_blocks*block_size*Hkv, D]`` cache.
 
     ``block_table_ref`` is the flattened ``[num_seqs * max_blocks]`` table and ``table_base`` the request's first
-    entry. Entries are read as scalars-per-row from the table (seed §11: logical_block = pos // block_size,
+    entry. Entries are read as scalars-per-row from the table (logical_block = pos // block_size,
     physical_block = block_table[logical_block], slot = physical_block * block_size + pos % block_size). Where
     ``valid`` is False the table is not read and row 0 is returned (callers mask those rows' loads). With
     ``num_pages``, page numbers are clamped into the pool: for positions that come from user data (top-k indices), a
@@ -99,7 +99,7 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
     ``q [M, Dp]`` rows sit at absolute positions ``q_pos [M]`` of a request with ``kv_len`` keys; key tile ``j``
     covers positions ``[j*block_n, (j+1)*block_n)``, read through the request's block table. Unmasked tiles (■)
     load without masks and build no mask; masked tiles mask loads past ``kv_len`` (the table is not read there)
-    and apply ``key_pos <= query_pos`` (seed §8: a full rectangle plus a bottom-right triangle).
+    and apply ``key_pos <= query_pos`` (a full rectangle plus a bottom-right triangle).
     """
     def step(j, state, masked):
         k_pos = j * block_n + jnp.arange(block_n)  # [N]
@@ -116,7 +116,7 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
 
 
 def split_tile_range(split, num_splits: int, kv_len, block_n: int, split_size: int | None):
-    """Key tiles ``[tile_start, tile_end)`` of split ``split`` (seed §10 segments, aligned to ``block_n``).
+    """Key tiles ``[tile_start, tile_end)`` of split ``split`` (split-KV segments, aligned to ``block_n``).
 
     Fixed ``split_size`` (tokens, a multiple of ``block_n``): segment ``s`` is ``[s*split_size, (s+1)*split_size)``
     whatever else is in the batch (batch invariant). Otherwise the request's tiles are shared out evenly among

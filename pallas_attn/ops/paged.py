@@ -47,10 +47,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       num_splits / split_size: split-KV as in :func:`pallas_attn.paged_decode_attention`, for any ``q_len``.
       return_lse: also return ``f32[num_tokens, num_q_heads]``.
       interpret: None → compiled on GPU, interpreted on CPU.
-      config: :class:`pallas_attn.config.DecodeConfig` (``block_q`` = tokens per query block) for decode and
+      config: :class:`pallas_attn.core.config.DecodeConfig` (``block_q`` = tokens per query block) for decode and
         verification rows; a fixed ``block_q`` runs the whole batch in one launch with it.
       chunk_config: the same for prefill chunks (``q_len > 16``) of a mixed batch, which run in a second launch with
-        prefill-sized tiles; default :func:`pallas_attn.config.default_chunk_config`.
+        prefill-sized tiles; default :func:`pallas_attn.core.config.default_chunk_config`.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``).

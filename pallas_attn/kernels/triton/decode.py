@@ -1,4 +1,4 @@
-"""Paged decode attention with optional split-KV (seed §7, §9, §10, §11).
+"""Paged decode attention with optional split-KV (docs/design.md#split-kv-and-the-merge).
 
 One query per request sits at the end of its context, so its mask row is all-visible and attention is a long,
 memory-bound vector per head. The grid is ``(batch, num_kv_heads, num_splits)``: program ``(b, h, s)`` computes
@@ -8,7 +8,7 @@ has no scalar prefetch) and gathers ``block_n`` keys — several pages — per s
 
 With ``num_splits > 1`` each segment writes a partial ``O_s`` and ``LSE_s`` (float32) and
 :func:`pallas_attn.merge_attention_states` merges them (the jitted second pass). ``num_splits=None``
-picks by :func:`pallas_attn.config.resolve_splits` (fill the GPU when the batch cannot; cut long tails when it
+picks by :func:`pallas_attn.core.config.resolve_splits` (fill the GPU when the batch cannot; cut long tails when it
 can); ``num_splits=1`` is the single pass with no merge.
 ``split_size=`` (tokens) fixes the segments' boundaries instead, so a request's output is bit-identical whatever
 else is in the batch.

@@ -1,4 +1,6 @@
-"""Ragged paged attention: decode, multi-token verification, chunked and fresh prefill in one call (seed §8, §9).
+"""Ragged paged attention: decode, multi-token verification, chunked and fresh prefill in one call.
+
+See docs/design.md#the-ragged-paged-kernel.
 
 Request ``b`` brings ``q_len = cu_query_lens[b+1] - cu_query_lens[b]`` new tokens, already written into the paged
 cache as the last ``q_len`` of its ``seq_lens[b]`` keys; ``context_len = seq_lens[b] - q_len``. Query ``i`` sits at
@@ -17,8 +19,9 @@ the batch's last one write zeros into the padding rows and exit. A batch whose q
 verification: ``max_query_len <= 16``) is one launch; with prefill chunks in it, short queries run in one launch
 with 16-row tiles and the chunks in a second with prefill-sized ones (``chunk_config``), writing into the same
 (aliased) output, so decode rows do not pay for prefill-sized tiles. In those 16-row tiles a verification's 6
-tokens × 4 heads are two query blocks that read the same K/V (the second read mostly from L2): cheaper on M1 than
-the 32-row tiles that fit it whole, which halve the resident decode programs (212 registers against 128).
+tokens × 4 heads are two query blocks that read the same K/V (the second read mostly from L2): cheaper on a mixed
+batch than 32-row tiles that fit it whole, which halve the resident decode programs
+(docs/performance.md#mixed-batches).
 
 Split-KV works for every query length (vLLM's unified kernel turns it off as soon as one query is longer than 1):
 long contexts are cut into segments whatever the query length, and merged by
@@ -39,8 +42,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
 
 SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks
-SHORT_TILE_ROWS = 16  # rows (tokens x padded group) of the short queries' tiles in a two-launch batch (M1: 0.922
-#                       ms against 0.949 with 32-row tiles, benchmarks/results/…-session4-m1-short-rows.json)
+SHORT_TILE_ROWS = 16  # rows (tokens x padded group) of the short queries' tiles in a two-launch batch: twice the
+#                       resident decode programs of 32-row tiles (docs/performance.md#mixed-batches)
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -55,7 +58,7 @@ def query_block_tokens(max_query_len: int, group_padded: int, requested: int | N
 
 def chunk_block_tokens(max_query_len: int, group_padded: int, chunk_cfg: config_lib.DecodeConfig, head_dim: int,
                        dtype_bytes: int) -> int:
-    """Tokens per query block of the prefill-chunk launch (:func:`~pallas_attn.config.chunk_rows` rows)."""
+    """Tokens per query block of the prefill-chunk launch (:func:`~pallas_attn.core.config.chunk_rows` rows)."""
     return query_block_tokens(max_query_len, group_padded, chunk_cfg.block_q,
                               config_lib.chunk_rows(head_dim, dtype_bytes))
 
@@ -72,9 +75,9 @@ def launch_splits(q_shape, dtype_bytes: int, cache_shape, table_shape, max_query
     """Split-KV heuristics per launch of a two-launch batch: ``((num_splits, split_size) of the short queries,
     num_splits of the chunks)``.
 
-    Short queries are memory-bound like decode: :func:`~pallas_attn.config.resolve_splits` over one program per
+    Short queries are memory-bound like decode: :func:`~pallas_attn.core.config.resolve_splits` over one program per
     request and KV head (a short request is one query block), tail-balancing included. Chunks are compute-bound:
-    they split only when their programs cannot fill the GPU (:func:`~pallas_attn.config.choose_num_splits`), never
+    they split only when their programs cannot fill the GPU (:func:`~pallas_attn.core.config.choose_num_splits`), never
     for tail balance (their partial states would cost a write and a read of every chunk row). Counting all of a
     mixed batch's tokens as one launch's programs — M1 counts 2,152 — would leave its decodes unsplit.
     """
@@ -160,7 +163,7 @@ def _ragged_kernel(
         row_valid = (tok < q_len) & (g < group)
         q_rows = jnp.where(row_valid, (q_start + tok) * num_q_heads + kv_head * group + g, oob)
         q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [M, Dp]
-        q_pos = context + tok  # absolute positions: the rectangle + triangle of seed §8
+        q_pos = context + tok  # absolute positions: the rectangle + triangle of verification
         q_last = context + jnp.minimum(first + block_q, q_len) - 1
         tile_start, tile_end = tiles.split_tile_range(split, num_splits, seq_len, block_n, split_size)
         full_end, kv_end = masks.kv_tile_ranges(context + first, q_last, seq_len, block_n, tile_start=tile_start,
@@ -204,7 +207,7 @@ def _merge_partials(i, kv_head, cu_query_lens_ref, block_req_ref, block_first_re
                     o_ref, lse_ref, *, cols, merge: tuple, num_tokens: int, num_q_heads: int, num_kv_heads: int,
                     group_padded: int):
     """Merge the ``merge_splits`` compact partial states of query block ``i`` (of the launch that wrote them) into
-    its output rows: seed §12's reduction for the rows of one launch, run by programs of the next one."""
+    its output rows: the split-KV reduction for the rows of one launch, run by programs of the next one."""
     merge_blocks, block_q, num_splits = merge
     req = block_req_ref[i]
     r = jnp.arange(block_q * group_padded)

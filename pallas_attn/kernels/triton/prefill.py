@@ -1,4 +1,4 @@
-"""Packed varlen prefill attention (seed §1–§6, §11).
+"""Packed varlen prefill attention on the Pallas Triton backend (docs/design.md#the-grid).
 
 Requests are packed along the token axis: ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, request ``b`` owning rows
 ``[cu_seqlens[b], cu_seqlens[b+1])``. The grid is ``(q_tiles, Hkv * groups, batch + 1)``: program ``(m, h, b)``
@@ -6,7 +6,7 @@ owns one request × one KV head (``heads_per_program`` of its query heads, which
 tile. It reads ``seq_start``/``seq_len`` for ``b`` from ``cu_seqlens``, exits at once when its tile starts past the
 request, touches only rows ``[seq_start, seq_start + seq_len)`` and builds the causal mask in registers from
 request-local positions (``pos_q >= pos_k``). Full tiles (■) run with no mask code, diagonal tiles (△) are
-masked element-wise, future tiles (·) are never loaded (see :mod:`pallas_attn.masks`). Query tiles are visited
+masked element-wise, future tiles (·) are never loaded (see :mod:`pallas_attn.core.masks`). Query tiles are visited
 longest-first (reversed ``m``) so the causal tail does not straggle.
 
 The extra program row ``b == batch`` writes zeros into the padding rows ``[cu_seqlens[-1], T)``, so they are
