@@ -1,14 +1,15 @@
-"""The seed's own kernel design (seed §2–§5) in plain Triton, called through jax-triton: the anchor `seed_triton`.
+"""The anchor ``naive_triton``: naive Triton varlen prefill (one program per request tile, no tile classes), called
+through jax-triton.
 
-This is vLLM's `triton_prefill_attention` as the seed describes it, written by us from its fragments: grid
-``(batch, num_heads, cdiv(max_input_len, BLOCK_M))``; each program reads its request's ``start_loc``/``seq_len``,
-exits when its tile starts past the request, loads ``Q[start + offs_m]``, loops over key tiles up to the causal
-end, masks every tile with ``offs_m >= start_n + offs_n`` (no tile classes: full tiles pay for the mask too),
-``tl.where(mask, qk * sm_scale, -1.0e8)``, and keeps the online-softmax state in registers. It measures what the
-seed's design gives before our changes (tile classes, GQA row packing, exp2 with a folded scale, tuned tiles).
+The textbook design (vLLM's ``triton_prefill_attention``): grid ``(batch, num_heads, cdiv(max_input_len,
+BLOCK_M))``; each program reads its request's ``start_loc``/``seq_len``, exits when its tile starts past the request,
+loads ``Q[start + offs_m]``, loops over key tiles up to the causal end, masks every tile with
+``offs_m >= start_n + offs_n`` (full tiles pay for the mask too), ``tl.where(mask, qk * sm_scale, -1.0e8)``, and
+keeps the online-softmax state in registers. It measures what the plain design gives without tile classes, GQA row
+packing, exp2 with a folded scale or tuned tiles.
 
 Needs the `triton` extra (jax-triton 0.3.1, the release that accepts triton 3.6); `scripts/fetch_wheels.sh` brings
-the wheel for the GPU machine. Without jax-triton the anchor records an error row.
+the wheel for a GPU machine without internet. Without jax-triton the anchor records an error row.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def seed_prefill_kernel(Q, K, V, B_Start_Loc, B_Seqlen, Out, sm_scale,
+    def naive_prefill_kernel(Q, K, V, B_Start_Loc, B_Seqlen, Out, sm_scale,
                             stride_qbs, stride_qh, stride_kbs, stride_kh,
                             kv_group_num: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DMODEL: tl.constexpr,
                             BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
@@ -72,12 +73,12 @@ def _kernel():
         o_ptrs = Out + (cur_batch_start + offs_m[:, None]) * stride_qbs + cur_head * stride_qh + offs_d[None, :]
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < cur_batch_seq_len)
 
-    return seed_prefill_kernel
+    return naive_prefill_kernel
 
 
-def prepare_seed_triton(batches: list[Batch], options: Options) -> Prepared:
+def prepare_naive_triton(batches: list[Batch], options: Options) -> Prepared:
     if options.interpret:
-        raise RuntimeError("seed_triton needs a GPU (jax-triton has no interpret mode)")
+        raise RuntimeError("naive_triton needs a GPU (jax-triton has no interpret mode)")
     import jax_triton as jt  # the `triton` extra
 
     kernel = _kernel()
