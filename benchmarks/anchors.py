@@ -281,7 +281,9 @@ def _prepare_jax_paged(batches: list[Batch], options: Options) -> Prepared:
         return jnp.stack(outs, axis=1).reshape(-1, *q.shape[2:])
 
     def args_for(b: Batch):
-        tr = lambda c: jnp.transpose(c, (2, 0, 1, 3))  # [Hkv, pages, page_size, D]
+        def tr(c):
+            return jnp.transpose(c, (2, 0, 1, 3))  # [Hkv, pages, page_size, D]
+
         return (b.arrays["q"] * jnp.asarray(scale, b.arrays["q"].dtype), tr(b.arrays["k_cache"]),
                 tr(b.arrays["v_cache"]), tables, base)
 
@@ -416,6 +418,6 @@ ANCHORS: list[Impl] = [
     Impl("jax_pallas_mgpu", _ids("P1", "P2"), _prepare_jax_mgpu),
     Impl("jax_pallas_decode", _ids("D1", "D2"), _prepare_jax_decode),
     Impl("jax_pallas_paged", _ids("D1", "D2", "V1"), _prepare_jax_paged),
-    Impl("jnp", lambda s: not s.id.startswith("split-"), _prepare_jnp),
+    Impl("jnp", lambda s: not s.family, _prepare_jnp),
     Impl("naive_triton", _ids("P1", "P2"), _lazy_naive_triton),
 ]

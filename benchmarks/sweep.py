@@ -160,9 +160,11 @@ def propose_tables(specs, per_workload: dict, device_kind: str) -> list[dict]:
 
 
 def strip_private(per_workload: dict) -> dict:
+    def strip(e):
+        return None if e is None else {k: v for k, v in e.items() if not k.startswith("_")}
+
     clean = {}
     for wid, d in per_workload.items():
-        strip = lambda e: None if e is None else {k: v for k, v in e.items() if not k.startswith("_")}
         clean[wid] = {"default": strip(d["default"]), "winner": strip(d["winner"]),
                       "results": [strip(e) for e in d["results"]]}
     return clean
