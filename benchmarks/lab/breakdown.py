@@ -1,31 +1,29 @@
 """Where a Mosaic prefill call's time goes (GPU only): the whole ``varlen_attention_mosaic`` call against its parts
-jitted alone — the work list, the K/V staging copy, and the kernel on precomputed inputs — timed in interleaved
-rounds. The small parts alone are dispatch-bound, so they are also timed ``LOOP`` times inside one jitted
-``fori_loop`` (their GPU time a call). JSON to $OUT/prefill_breakdown.json.
+jitted alone (the work list, the K/V staging copy, the kernel on precomputed inputs), timed in interleaved rounds.
+The small parts alone are dispatch-bound, so they are also timed ``LOOP`` times inside one jitted ``fori_loop``
+(their GPU time a call). Prints the launches of the whole call's optimised HLO. JSON to ``$OUT/prefill_breakdown.json``
+and the HLO to ``$OUT/hlo_<workload>.txt``.
 
-    python scripts/breakdown_prefill.py [P1,P2]
+    python -m benchmarks.lab.breakdown [P2,P1]
+
+It reaches into ``pallas_attn.kernels.mosaic.prefill`` (its work list, staging and kernel call), so it follows that
+module's internals.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import pathlib
 import re
 import sys
-import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
+from jax import lax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-
-from pallas_attn.kernels.mosaic import prefill as pm  # noqa: E402
-from probe_prefill_mosaic import WORKLOADS, inputs, timeit  # noqa: E402
-
+from benchmarks.lab import common
+from pallas_attn.kernels.mosaic import prefill as pm
 
 LOOP = 100
 
@@ -49,20 +47,23 @@ def launches(hlo: str) -> list[str]:
     return re.findall(r"^\s*(?:ROOT )?%(\S+) = .*?[)}\]] (?:fusion|custom-call|sort)\(", entry, flags=re.M)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     rows = []
-    for name in (sys.argv[1].split(",") if len(sys.argv) > 1 else ["P1", "P2"]):
-        lens, d, causal = WORKLOADS[name]
-        q, k, v, cu, flops = inputs(lens, d, causal)
-        max_seqlen, (num_tokens, hq, _), hkv = max(lens), q.shape, k.shape[1]
+    for name in (argv[0].split(",") if argv else ["P2", "P1"]):
+        s = common.spec(name)
+        b = common.batch(s)
+        q, k, v, cu = (b.arrays[x] for x in ("q", "k", "v", "cu_seqlens"))
+        flops, causal, scale = b.host.flops(), True, s.head_dim ** -0.5
+        max_seqlen, (num_tokens, hq, _), hkv = int(b.host.seq_lens.max()), q.shape, k.shape[1]
         group, wgs = hq // hkv, pm.COMPUTE_WGS
-        num_slots = pm.num_work_slots(num_tokens, len(lens), max_seqlen, group, wgs)
+        num_slots = pm.num_work_slots(num_tokens, b.host.num_seqs, max_seqlen, group, wgs)
         full = jax.jit(functools.partial(pm.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
-                                         scale=d ** -0.5, return_lse=False, interpret=False))
+                                         scale=scale, return_lse=False, interpret=False))
         work = jax.jit(lambda cu: pm._work_list(cu, num_slots, causal, max_seqlen, group, wgs))
         stage = jax.jit(lambda k, v, cu: pm._stage_kv(k, v, cu, pm.BLOCK_KV, interpret=False))
         kernel = jax.jit(functools.partial(
-            pm._call_kernel, num_slots=num_slots, causal=causal, scale=d ** -0.5, return_lse=False, interpret=False,
+            pm._call_kernel, num_slots=num_slots, causal=causal, scale=scale, return_lse=False, interpret=False,
             block_kv=pm.BLOCK_KV, max_concurrent_steps=2, registers=pm.REGISTERS[wgs], compute_wgs=wgs,
             p_chunks=pm.P_CHUNKS))
         req, first, _, _, tiles = work(cu)
@@ -81,7 +82,7 @@ def main() -> int:
             return kernel(q, k, v, k_staged_, v_staged_, cu, kv_stage_, tiles, req, first)
 
         hlo = full.lower(q, k, v, cu).compile().as_text()
-        pathlib.Path(os.environ.get("OUT", "/tmp"), f"hlo_{name}.txt").write_text(hlo)
+        pathlib.Path(os.environ.get("OUT", "."), f"hlo_{name}.txt").write_text(hlo)
         print(name, "launches in the whole call:", launches(hlo), flush=True)
         parts = {"whole call": lambda: full(q, k, v, cu), "work list": lambda: work(cu),
                  "K/V staging": lambda: stage(k, v, cu),
@@ -89,14 +90,12 @@ def main() -> int:
                  "work list, looped": lambda: work_loop(cu), "K/V staging, looped": lambda: stage_loop(cu, k, v),
                  "kernel + work list": lambda: with_work(q, k, v, cu),
                  "kernel + staging": lambda: with_stage(q, k, v, cu)}
-        for (part, _), s in zip(parts.items(), timeit(list(parts.values()))):
-            s = s / LOOP if part.endswith("looped") else s  # a call's GPU time
-            rows.append(dict(workload=name, part=part, median_ms=s * 1e3, tflops=flops / s / 1e12))
-            print(f"{name} {part:12s} {s * 1e3:8.3f} ms  ({flops / s / 1e12:6.1f} TFLOP/s of the call's flops)",
+        for part, times in zip(parts, common.interleaved(list(parts.values()), ())):
+            sec = common.median(times) / (LOOP if part.endswith("looped") else 1)  # a call's GPU time
+            rows.append(dict(workload=name, part=part, median_ms=sec * 1e3, tflops=flops / sec / 1e12))
+            print(f"{name} {part:20s} {sec * 1e3:8.3f} ms  ({flops / sec / 1e12:6.1f} TFLOP/s of the call's flops)",
                   flush=True)
-    pathlib.Path(os.environ.get("OUT", "/tmp"), "prefill_breakdown.json").write_text(json.dumps(dict(
-        device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"), rows=rows),
-        indent=1))
+    common.write_json("prefill_breakdown.json", dict(rows=rows))
     return 0
 
 
