@@ -229,3 +229,15 @@ def test_baseline_resolves_revisions_and_passes_the_selection_on():
     passed = run._baseline_args(args, run._selected_specs(args), 0.02)
     assert passed[:2] == ["--only", "P1,split-b1-c32,split-b1-c128,split-b2-c32,split-b2-c128"]
     assert "--tiny" in passed and "--no-check" in passed
+
+
+def test_budget_estimates_prefer_what_was_measured(tmp_path):
+    from benchmarks import workloads as wl
+    p1, p2 = wl.WORKLOADS["P1"], wl.WORKLOADS["P2"]
+    rows = [{"workload": "P1", "impl": "jnp", "unit": "TFLOP/s", "wall_s": 42.0, "setup_s": 7.0, "target_s": 0.5},
+            {"workload": "P2", "impl": "jnp", "unit": "TFLOP/s", "wall_s": 99.0, "setup_s": 9.0, "target_s": 0.2}]
+    (tmp_path / "2026-12-03-nvidia-h200.json").write_text(json.dumps(rows))
+    est = run.Estimates.load(tmp_path, "nvidia-h200", tiny=False, target_s=0.5)
+    assert est.case(p1, "jnp") == 42.0 and est.setup(p1) == 7.0
+    assert est.case(p2, "jnp") == run.CASE_S["P2"] and est.setup(p2) == run.SETUP_S["P2"]  # other --target-s
+    assert run.Estimates(0.5).case(wl.prefill_rule_specs()[0], "pallas_attn") == run.FAMILY_CASE_S
