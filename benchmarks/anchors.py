@@ -18,7 +18,10 @@ layouts, transposes, head repetition) and records in ``note`` what it had to do.
                      gathered and transposed to [B, Hkv, L, D] first (D1, D2)
   jax_pallas_paged   jax.experimental.pallas.ops.gpu.paged_attention on [Hkv, pages, page_size, D] (transposed
                      first); D1, D2, and V1 as one call per draft token
-  jnp                jitted jnp gather + dense attention (float32 scores, bf16 P·V), every workload: the floor
+  jnp                jitted jnp gather + dense attention (float32 scores, bf16 P·V), every standard workload: the
+                     floor
+  naive_triton       naive Triton varlen prefill (one program per request tile, no tile classes) through
+                     jax-triton (P1, P2; :mod:`benchmarks.naive_triton`)
 """
 
 from __future__ import annotations
@@ -278,7 +281,9 @@ def _prepare_jax_paged(batches: list[Batch], options: Options) -> Prepared:
         return jnp.stack(outs, axis=1).reshape(-1, *q.shape[2:])
 
     def args_for(b: Batch):
-        tr = lambda c: jnp.transpose(c, (2, 0, 1, 3))  # [Hkv, pages, page_size, D]
+        def tr(c):
+            return jnp.transpose(c, (2, 0, 1, 3))  # [Hkv, pages, page_size, D]
+
         return (b.arrays["q"] * jnp.asarray(scale, b.arrays["q"].dtype), tr(b.arrays["k_cache"]),
                 tr(b.arrays["v_cache"]), tables, base)
 
@@ -395,9 +400,9 @@ def _prepare_jnp_sparse(batches: list[Batch], options: Options) -> Prepared:
     return Prepared(fn, args, identity, note="gather + dense")
 
 
-def _lazy_seed_triton(batches: list[Batch], options: Options) -> Prepared:
-    from benchmarks.seed_triton import prepare_seed_triton  # imports triton only when this anchor runs
-    return prepare_seed_triton(batches, options)
+def _lazy_naive_triton(batches: list[Batch], options: Options) -> Prepared:
+    from benchmarks.naive_triton import prepare_naive_triton  # imports triton only when this anchor runs
+    return prepare_naive_triton(batches, options)
 
 
 # ---------------------------------------------------------------------------------------------- registry
@@ -413,6 +418,6 @@ ANCHORS: list[Impl] = [
     Impl("jax_pallas_mgpu", _ids("P1", "P2"), _prepare_jax_mgpu),
     Impl("jax_pallas_decode", _ids("D1", "D2"), _prepare_jax_decode),
     Impl("jax_pallas_paged", _ids("D1", "D2", "V1"), _prepare_jax_paged),
-    Impl("jnp", lambda s: not s.id.startswith("split-"), _prepare_jnp),
-    Impl("seed_triton", _ids("P1", "P2"), _lazy_seed_triton),
+    Impl("jnp", lambda s: not s.family, _prepare_jnp),
+    Impl("naive_triton", _ids("P1", "P2"), _lazy_naive_triton),
 ]

@@ -15,6 +15,7 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
                          ``paged_decode_attention``, the others through ``paged_attention``)
   pallas_attn/mosaic     varlen prefill with ``backend="mosaic"`` (the Hopper kernel; GPU only)
   pallas_attn/triton     varlen prefill / sparse MLA with ``backend="triton"`` (the default picks per GPU and shape)
+  pallas_attn/<NAME>     a ``--variant NAME:key=value,...`` of the command line (:mod:`benchmarks.variants`)
 """
 
 from __future__ import annotations
@@ -89,17 +90,16 @@ def _decode_args(b: Batch):
     return a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["context_lens"]
 
 
-def _split_note(batch: Batch, options: Options, num_splits) -> str:
-    """The static split count the decode wrapper will use (same call as pallas_attn/decode.py makes)."""
-    from pallas_attn.core import config as config_lib
+def _split_note(batch: Batch, options: Options, kwargs: dict) -> str:
+    """The static split count the decode wrapper will use (the same call as ``ops/decode.py`` makes)."""
     s, host = batch.spec, batch.host
-    cfg = options.overrides.get("config") or config_lib.default_decode_config(s.head_dim, s.block_size,
-                                                                             s.jnp_dtype.itemsize)
     try:
+        from pallas_attn.core import config as config_lib
+        cfg = kwargs.get("config") or config_lib.default_decode_config(s.head_dim, s.block_size, s.jnp_dtype.itemsize)
         splits, size = config_lib.resolve_splits(host.num_seqs * s.num_kv_heads,
                                                  host.block_tables.shape[1] * s.block_size, cfg.block_n,
-                                                 num_splits, options.overrides.get("split_size"))
-    except Exception as e:  # noqa: BLE001 - a note must never fail a run
+                                                 kwargs.get("num_splits"), kwargs.get("split_size"))
+    except Exception as e:  # noqa: BLE001 - a note must never fail a run (nor a baseline revision's layout)
         return f"splits=? ({type(e).__name__})"
     return f"splits={splits}" + (f" split_size={size}" if size else "")
 
@@ -109,21 +109,18 @@ def _config_note(options: Options) -> str:
     return "" if cfg is None else repr(cfg)
 
 
-def _prepare_decode(batches: list[Batch], options: Options, num_splits=None) -> Prepared:
+def _prepare_decode(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
-    overrides = dict(options.overrides)
-    if num_splits is not None:
-        overrides["num_splits"] = num_splits
+    overrides = {**options.overrides, **extra}
     kw = dict(**_interpret_kw(options), **overrides)
     fn = jax.jit(lambda q, kc, vc, bt, cl: pallas_attn.paged_decode_attention(q, kc, vc, bt, cl, **kw))
-    note = " ".join(x for x in [_split_note(batches[0], options, overrides.get("num_splits")), _config_note(options)]
-                    if x)
+    note = " ".join(x for x in [_split_note(batches[0], options, overrides), _config_note(options)] if x)
     return Prepared(fn, [_decode_args(b) for b in batches], identity, note=note)
 
 
-def _prepare_decode_as_ragged(batches: list[Batch], options: Options) -> Prepared:
+def _prepare_decode_as_ragged(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
-    kw = dict(max_query_len=1, **_interpret_kw(options), **options.overrides)
+    kw = dict(max_query_len=1, **_interpret_kw(options), **options.overrides, **extra)
     fn = jax.jit(lambda q, kc, vc, bt, sl, cu: pallas_attn.paged_attention(q, kc, vc, bt, sl, cu, **kw))
     cu = jnp.arange(batches[0].host.num_seqs + 1, dtype=jnp.int32)
     args = [(*_decode_args(b), cu) for b in batches]
@@ -135,9 +132,9 @@ def _ragged_args(b: Batch):
     return a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], a["cu_query_lens"]
 
 
-def _prepare_ragged(batches: list[Batch], options: Options) -> Prepared:
+def _prepare_ragged(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
-    kw = dict(max_query_len=batches[0].host.max_query_len, **_interpret_kw(options), **options.overrides)
+    kw = dict(max_query_len=batches[0].host.max_query_len, **_interpret_kw(options), **options.overrides, **extra)
     fn = jax.jit(lambda q, kc, vc, bt, sl, cu: pallas_attn.paged_attention(q, kc, vc, bt, sl, cu, **kw))
     return Prepared(fn, [_ragged_args(b) for b in batches], identity, note=_config_note(options))
 
@@ -186,8 +183,6 @@ def _prepare_ragged_parts(batches: list[Batch], options: Options) -> Prepared:
 
 def _prepare_sparse(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
-    if not hasattr(pallas_attn, "sparse_mla_attention"):
-        raise NotImplementedError("pallas_attn.sparse_mla_attention has not landed yet")
     s = batches[0].spec
     kw = dict(kv_lora_rank=s.kv_lora_rank, **_interpret_kw(options), **options.overrides, **extra)
     fn = jax.jit(lambda q, kv, bt, ti: pallas_attn.sparse_mla_attention(q, kv, bt, ti, **kw))
@@ -196,10 +191,14 @@ def _prepare_sparse(batches: list[Batch], options: Options, **extra) -> Prepared
     return Prepared(fn, args, identity, note=_config_note(options))
 
 
-def _prepare_ours(batches: list[Batch], options: Options) -> Prepared:
-    kind = batches[0].spec.kind
-    return {"prefill": _prepare_prefill, "decode": _prepare_decode, "ragged": _prepare_ragged,
-            "sparse": _prepare_sparse}[kind](batches, options)
+PREPARE_BY_KIND = {"prefill": _prepare_prefill, "decode": _prepare_decode, "ragged": _prepare_ragged,
+                   "sparse": _prepare_sparse}
+FUNCTION_BY_KIND = {"prefill": "varlen_attention", "decode": "paged_decode_attention", "ragged": "paged_attention",
+                    "sparse": "sparse_mla_attention"}  # the public function each kind's rows call
+
+
+def _prepare_ours(batches: list[Batch], options: Options, **extra) -> Prepared:
+    return PREPARE_BY_KIND[batches[0].spec.kind](batches, options, **extra)
 
 
 def _on_gpu_prefill(spec: Spec) -> bool:
@@ -216,8 +215,7 @@ OUR_IMPLS: list[Impl] = [
     Impl(OURS, lambda s: True, _prepare_ours, anchor=False),
     Impl(f"{OURS}/no_split", lambda s: s.kind == "decode" and s.id != "D1",
          lambda b, o: _prepare_decode(b, o, num_splits=1), anchor=False),
-    Impl(f"{OURS}/paged", lambda s: s.kind == "decode" and not s.id.startswith("split-"), _prepare_decode_as_ragged,
-         anchor=False),
+    Impl(f"{OURS}/paged", lambda s: s.kind == "decode" and not s.family, _prepare_decode_as_ragged, anchor=False),
     Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False),
     Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_prefill(b, o, backend="mosaic"), anchor=False),
     Impl(f"{OURS}/triton", lambda s: s.kind in ("prefill", "sparse"),
@@ -233,9 +231,12 @@ def all_impls() -> list[Impl]:
 
 def select(impls: list[Impl], selectors: list[str] | None) -> list[Impl]:
     """``--impl a,b``: a selector matches a name exactly, or every ``name/...`` variant of it
-    (``pallas_attn`` selects ``pallas_attn/no_split`` too; ``pallas_attn/paged`` only itself)."""
+    (``pallas_attn`` selects ``pallas_attn/no_split`` too; ``pallas_attn/paged`` only itself); ``none`` selects
+    nothing (the ``--variant`` and ``--baseline`` rows still run)."""
     if not selectors:
         return impls
+    if [s.lower() for s in selectors] == ["none"]:
+        return []
     known = {i.name for i in impls}
     picked = [i for i in impls if any(i.name == s or i.name.startswith(s + "/") for s in selectors)]
     unknown = [s for s in selectors if not any(n == s or n.startswith(s + "/") for n in known)]

@@ -1,6 +1,6 @@
 """PNG plots from a results JSON, one per family, next to it (``benchmarks/results/`` by default).
 
-    python -m benchmarks.plots benchmarks/results/2026-08-20-nvidia-h200.json [--out DIR]
+    python -m benchmarks.plots benchmarks/results/2026-11-30-nvidia-h200.json [--out DIR]
 
 * ``<stem>-prefill.png``: TFLOP/s by implementation for the prefill workloads (P1, P2), matmul ceiling dashed;
 * ``<stem>-decode.png``: GB/s by implementation and workload (D1, D2, V1, M1; context range in the label), copy

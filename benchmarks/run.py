@@ -1,8 +1,11 @@
-"""The benchmark harness: every DESIGN.md §4 workload × every implementation available, ceilings in the same run.
+"""The benchmark harness: every standard workload × every implementation available, ceilings in the same run.
 
-    python -m benchmarks.run                       # all workloads, all implementations (GPU)
+    python -m benchmarks.run                       # all workloads, all implementations (GPU; about 5 minutes)
+    python -m benchmarks.run --budget 540          # skip what would not finish within 540 s
     python -m benchmarks.run --only P1,D1 --impl pallas_attn,cudnn
-    python -m benchmarks.run --split-sweep         # decode batch × context, split-KV on / off
+    python -m benchmarks.run --only P1 --variant bn64:backend=triton,config.block_n=64
+    python -m benchmarks.run --only P1,P2 --impl pallas_attn --baseline HEAD~1
+    python -m benchmarks.run --family split        # decode batch × context, split-KV on / off
     python -m benchmarks.run --sweep --only D2     # tuning: config grid for our kernels
     PALLAS_ATTN_INTERPRET=1 python -m benchmarks.run --tiny --out /tmp/bench_smoke   # CPU smoke test
     pallas-attn bench [same flags]                 # the package CLI calls main(argv)
@@ -14,8 +17,9 @@ implementation that raises anywhere gives an ``error`` row; the run goes on.
 
 Output: a table on stdout and ``<out>/<YYYY-MM-DD>-<device-slug>[-tiny].json``, a list of rows
 ``{workload, impl, median_ms, metric, unit, rel_err, ratio_to_ceiling, ratio_to_best_anchor, device, versions,
-date, ...}`` (rows of the same workload/impl/unit from an earlier run that day are replaced, the others kept), and
-the plots of :mod:`benchmarks.plots`.
+date, ...}`` rewritten (atomically) after every measured case, so a run cut short leaves what it measured (rows of
+the same workload/impl/unit from an earlier run that day are replaced, the others kept); then the plots of
+:mod:`benchmarks.plots`.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import datetime
 import gc
 import json
 import math
+import os
 import pathlib
 import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -38,7 +44,7 @@ import jax
 import numpy as np
 
 from benchmarks import ceilings as ceilings_lib
-from benchmarks import checks, impls as impls_lib, workloads as wl
+from benchmarks import checks, impls as impls_lib, variants as variants_lib, workloads as wl
 from benchmarks.timing import time_fn
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
@@ -50,6 +56,15 @@ FORMULAS = [
     "ratio_to_ceiling: TFLOP/s ÷ bf16 matmul TFLOP/s, GB/s ÷ copy GB/s (both measured in this run); "
     "ratio_to_best_anchor: ÷ the best non-pallas_attn row of the same workload and unit",
 ]
+
+# --budget's estimates where no earlier results file of the device holds measured ``setup_s`` / ``wall_s``: seconds
+# on an H200 at --target-s 0.5 for a workload's setup (inputs, reference subset) and for one case (prepare, compile,
+# check, time). They add up to the full run's measured 308 s (ceilings about 8 s).
+SETUP_S = {"P1": 12.0, "P2": 15.0, "D1": 10.0, "D2": 12.0, "V1": 10.0, "M1": 10.0, "S1": 12.0}
+CASE_S = {"P1": 5.0, "P2": 7.0, "D1": 5.0, "D2": 5.0, "V1": 5.0, "M1": 5.0, "S1": 6.0}
+FAMILY_SETUP_S, FAMILY_CASE_S = 5.0, 3.0  # --family grids: small inputs, reference on a few rows
+CEILINGS_S = 8.0
+BASELINE_START_S = 15.0  # a --baseline subprocess: git worktree, JAX start-up
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -106,6 +121,7 @@ class CaseResult:
     rounds_ms: list[float] = dataclasses.field(default_factory=list)
     iters: int = 0
     sets: int = 1
+    wall_s: float = 0.0  # the whole case: prepare, compile, check, time
 
     @property
     def ok(self) -> bool:
@@ -129,6 +145,7 @@ def measure_case(impl, batches, options, subset, target_s: float, verbose: bool 
     """Prepare, compile, check, time one implementation on one workload; never raises."""
     res = CaseResult(batches[0].host, sets=len(batches))
     prepared = None
+    t0 = time.perf_counter()
     try:
         prepared = impl.prepare(batches, options)
         res.note = prepared.note
@@ -145,6 +162,7 @@ def measure_case(impl, batches, options, subset, target_s: float, verbose: bool 
     finally:
         del prepared
         gc.collect()
+        res.wall_s = time.perf_counter() - t0
     return res
 
 
@@ -157,7 +175,8 @@ def _row(workload: str, impl: str, unit: str | None, res: CaseResult | None, *, 
            "error": None}
     if res is not None:
         row.update(median_ms=res.median_ms, metric=res.metric(unit) if unit else None, rel_err=res.rel_err,
-                   note=res.note, error=res.error, rounds_ms=res.rounds_ms, iters=res.iters, input_sets=res.sets)
+                   note=res.note, error=res.error, rounds_ms=res.rounds_ms, iters=res.iters, input_sets=res.sets,
+                   wall_s=round(res.wall_s, 2))
     if extra:
         row.update(extra)
     return row
@@ -184,21 +203,33 @@ def results_path(out_dir: pathlib.Path, date: str, slug: str, tiny: bool, suffix
     return out_dir / f"{date}-{slug}{'-tiny' if tiny else ''}{suffix}.json"
 
 
-def write_rows(path: pathlib.Path, rows: list[dict], merge: bool) -> list[dict]:
-    """Writes ``rows``; with ``merge``, rows of an existing file whose (workload, impl, unit) is not re-measured
-    are kept (so ``--only`` runs of one day accumulate). Returns what was written."""
-    keep = []
-    if merge and path.exists():
+class ResultsWriter:
+    """Keeps ``path`` a valid results file while a run goes on: :meth:`write` rewrites it with the rows so far
+    (through a temporary file and ``os.replace``, so a reader or a kill never sees half a file). With ``merge``,
+    rows of the existing file whose (workload, impl, unit) this run has not (yet) measured are kept."""
+
+    def __init__(self, path: pathlib.Path, merge: bool):
+        self.path = path
+        self.old: list[dict] = []
+        if merge and path.exists():
+            try:
+                self.old = json.loads(path.read_text())
+            except Exception:  # noqa: BLE001 - an unreadable old file is replaced
+                self.old = []
+
+    def write(self, rows: list[dict]) -> list[dict]:
+        new_keys = {(r["workload"], r["impl"], r["unit"]) for r in rows}
+        allrows = [r for r in self.old if (r.get("workload"), r.get("impl"), r.get("unit")) not in new_keys] + rows
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         try:
-            old = json.loads(path.read_text())
-            new_keys = {(r["workload"], r["impl"], r["unit"]) for r in rows}
-            keep = [r for r in old if (r.get("workload"), r.get("impl"), r.get("unit")) not in new_keys]
-        except Exception:  # noqa: BLE001 - an unreadable old file is replaced
-            keep = []
-    allrows = keep + rows
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(allrows, indent=1, default=_json_default) + "\n")
-    return allrows
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(allrows, indent=1, default=_json_default) + "\n")
+            os.replace(tmp, self.path)
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
+        return allrows
 
 
 def _json_default(x):
@@ -286,20 +317,91 @@ class Progress:
             self.bar.close()
 
 
+# ------------------------------------------------------------------------------------------------ budget
+class Estimates:
+    """Expected seconds of a workload's setup and of one case, for ``--budget``: what the newest results files of
+    this device measured at the same ``--target-s`` (``setup_s``, ``wall_s`` of each row), else the defaults
+    above scaled to ``--target-s``."""
+
+    def __init__(self, target_s: float, measured_setup: dict | None = None, measured_case: dict | None = None):
+        self.target_s = target_s
+        self.setup_s = measured_setup or {}
+        self.case_s = measured_case or {}
+
+    @classmethod
+    def load(cls, out_dir: pathlib.Path, slug: str, tiny: bool, target_s: float) -> Estimates:
+        setup, case = {}, {}
+        for path in sorted(out_dir.glob(f"*-{slug}{'-tiny' if tiny else ''}.json")):  # oldest first: newest wins
+            try:
+                rows = json.loads(path.read_text())
+            except Exception:  # noqa: BLE001 - an unreadable file teaches nothing
+                continue
+            for r in rows if isinstance(rows, list) else []:
+                if not isinstance(r, dict) or r.get("target_s") != target_s:
+                    continue
+                if r.get("setup_s") is not None:
+                    setup[r["workload"]] = float(r["setup_s"])
+                if r.get("wall_s") is not None:
+                    case[(r["workload"], r["impl"])] = float(r["wall_s"])
+        return cls(target_s, setup, case)
+
+    def setup(self, spec: wl.Spec) -> float:
+        if spec.id in self.setup_s:
+            return self.setup_s[spec.id]
+        return FAMILY_SETUP_S if spec.family else SETUP_S.get(spec.id, FAMILY_SETUP_S)
+
+    def case(self, spec: wl.Spec, impl_name: str) -> float:
+        if (spec.id, impl_name) in self.case_s:
+            return self.case_s[(spec.id, impl_name)]
+        base = FAMILY_CASE_S if spec.family else CASE_S.get(spec.id, FAMILY_CASE_S)
+        return max(0.5, base + 1.2 * (self.target_s - 0.5))  # timing takes about 1.2 × target_s of it
+
+
+class Budget:
+    """``--budget SECONDS``: a case runs only if the time since the start plus its expected cost stays within."""
+
+    def __init__(self, seconds: float | None, t_start: float):
+        self.seconds = seconds
+        self.t_start = t_start
+        self.skipped: list[str] = []
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def left(self) -> float | None:
+        return None if self.seconds is None else self.seconds - self.elapsed()
+
+    def fits(self, cost: float) -> bool:
+        return self.seconds is None or self.elapsed() + cost <= self.seconds
+
+    def skip(self, workload: str, impl: str) -> None:
+        self.skipped.append(f"{workload}/{impl}")
+        print(f"skipped {workload}/{impl}: budget", flush=True)
+
+
 # ------------------------------------------------------------------------------------------------ main
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="pallas-attn bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None,
-                   help=f"comma-separated workload ids (default: all of {','.join(STANDARD_IDS)}; 'none' for none)")
-    p.add_argument("--impl", default=None, help="comma-separated implementations (a name selects its /variants too)")
+                   help=f"comma-separated workload ids (default: all of {','.join(STANDARD_IDS)} unless --family is "
+                        "given; 'none' for none); family ids (e.g. one-512) are accepted too")
+    p.add_argument("--family", default=None,
+                   help=f"comma-separated workload grids to add: {', '.join(wl.FAMILIES)}")
+    p.add_argument("--impl", default=None,
+                   help="comma-separated implementations (a name selects its /variants too; 'none' for none)")
+    p.add_argument("--variant", action="append", default=None, metavar="NAME:key=value,...",
+                   help="add a pallas_attn/NAME row: the public function with these keyword arguments and config "
+                        "fields (backend=mosaic, num_splits=4, config.block_n=64); repeatable")
+    p.add_argument("--baseline", default=None, metavar="GIT_REV",
+                   help="also time pallas_attn as of GIT_REV (a temporary git worktree), rows pallas_attn@GIT_REV")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="skip a workload/implementation when the time so far plus its expected cost would pass this")
     p.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke test of the harness (interpret mode)")
     p.add_argument("--sweep", action="store_true", help="tuning mode: config grid for our kernels")
     p.add_argument("--write-tables", action="store_true",
-                   help="with --sweep: write the winners into pallas_attn/tuned.py (the tables config.py reads)")
-    p.add_argument("--split-sweep", action="store_true",
-                   help="decode batch {1,4,16,64} x ctx {1k,8k,32k,128k}, num_splits=1 vs the heuristic "
-                        "(alone unless --only names standard workloads too)")
+                   help="with --sweep: write the winners into pallas_attn/core/tuned.py (the tables config.py reads)")
+    p.add_argument("--split-sweep", action="store_true", help="same as --family split")
     p.add_argument("--out", default=None, help=f"results directory (default {RESULTS_DIR})")
     p.add_argument("--target-s", type=float, default=None,
                    help="seconds of timing per case (default 0.5; 0.2 in --sweep; 0.02 with --tiny)")
@@ -308,19 +410,33 @@ def parse_args(argv):
     p.add_argument("--no-check", action="store_true", help="skip the reference check (rel_err = null)")
     p.add_argument("--list", action="store_true", help="list workloads and implementations, then exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing cases")
-    return p.parse_args(argv)
+    p.add_argument("--as-baseline", default=None, help=argparse.SUPPRESS)  # the --baseline subprocess: its row name
+    args = p.parse_args(argv)
+    if args.split_sweep:
+        args.family = ",".join(x for x in [args.family, "split"] if x)
+    return args
+
+
+def _ids(text: str | None) -> list[str]:
+    return [s.strip() for s in (text or "").split(",") if s.strip()]
 
 
 def _selected_specs(args) -> list[wl.Spec]:
+    families = _ids(args.family)
     if args.only is None:
-        ids = [] if args.split_sweep else list(STANDARD_IDS)
+        ids = [] if families else list(STANDARD_IDS)
     elif args.only.strip().lower() in ("", "none"):
         ids = []
     else:
-        ids = [s.strip().upper() for s in args.only.split(",") if s.strip()]
-    specs = wl.get_specs(ids, tiny=args.tiny)
-    if args.split_sweep:
-        specs += wl.split_sweep_specs(tiny=args.tiny)
+        ids = _ids(args.only)
+    specs = []
+    for i in ids:
+        spec = wl.find_spec(i, args.tiny) or wl.find_spec(i.upper(), args.tiny)
+        if spec is None:
+            raise ValueError(f"unknown workload id {i!r}; standard: {', '.join(STANDARD_IDS)}; "
+                             f"families (--family): {', '.join(wl.FAMILIES)}")
+        specs.append(spec)
+    specs += [s for s in wl.family_specs(families, tiny=args.tiny) if s not in specs]
     return specs
 
 
@@ -328,9 +444,31 @@ def _list(tiny: bool) -> None:
     for spec in wl.get_specs(STANDARD_IDS, tiny):
         names = [i.name for i in impls_lib.all_impls() if i.applies(spec)]
         print(f"{spec.id}  {spec.what}  [{', '.join(spec.units)}]\n    {', '.join(names)}")
+    for name in wl.FAMILIES:
+        print(f"--family {name}: {', '.join(s.id for s in wl.family_specs([name], tiny))}")
+
+
+def _select_impls(args) -> list[impls_lib.Impl]:
+    known = impls_lib.all_impls()
+    if args.as_baseline:  # the revision's default row alone
+        return [i for i in known if i.name == impls_lib.OURS]
+    picked = impls_lib.select(known, _ids(args.impl) or None)
+    extra = variants_lib.make_impls(args.variant, {i.name for i in known})
+    ours = [i for i in picked if i.ours]
+    return ours + extra + [i for i in picked if not i.ours]
+
+
+def _baseline_args(args, specs: list[wl.Spec], target_s: float) -> list[str]:
+    out = ["--only", ",".join(s.id for s in specs) or "none", "--target-s", str(target_s)]
+    if args.tiny:
+        out.append("--tiny")
+    if args.no_check:
+        out.append("--no-check")
+    return out
 
 
 def main(argv=None) -> int:
+    t_start = time.perf_counter()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.list:
         _list(args.tiny)
@@ -339,33 +477,53 @@ def main(argv=None) -> int:
     interpret = backend.resolve_interpret(None)
     target_s = args.target_s or (0.02 if args.tiny else (0.2 if args.sweep else 0.5))
     specs = _selected_specs(args)
-    selectors = [s.strip() for s in args.impl.split(",")] if args.impl else None
-    impls = impls_lib.select(impls_lib.all_impls(), selectors)
+    impls = _select_impls(args)
     options = impls_lib.Options(interpret=interpret, tiny=args.tiny)
     out_dir = pathlib.Path(args.out) if args.out else RESULTS_DIR
     kind = device_kind()
     ctx = {"device": kind, "versions": versions(), "date": datetime.date.today().isoformat()}
     print(f"device: {kind} ({jax.default_backend()}, interpret={interpret}); versions: "
           + ", ".join(f"{k} {v}" for k, v in ctx["versions"].items()), flush=True)
-    t_start = time.perf_counter()
+    if args.as_baseline:
+        import pallas_attn
+        print(f"{args.as_baseline}: pallas_attn from {pathlib.Path(pallas_attn.__file__).parent}", flush=True)
 
     if args.sweep:
         return _main_sweep(args, specs, options, out_dir, ctx, target_s)
 
+    path = results_path(out_dir, ctx["date"], device_slug(kind), args.tiny)
+    writer = ResultsWriter(path, merge=not args.no_merge)
+    budget = Budget(args.budget, t_start)
+    est = Estimates.load(out_dir, device_slug(kind), args.tiny, target_s)
+    reserve = 0.0  # kept for the --baseline run at the end
+    if args.baseline:
+        reserve = BASELINE_START_S + sum(est.setup(s) + est.case(s, impls_lib.OURS) for s in specs)
+
     cases = [(s, i) for s in specs for i in impls if i.applies(s)]
-    progress = Progress(total=len(cases) + 2)
-    progress.describe("ceilings")
-    ceil = ceilings_lib.measure_all(tiny=args.tiny, target_s=target_s)
-    progress.step(2)
-    rows = [_row("ceiling", c.name, c.unit, None, ctx=ctx, anchor=False, kind="ceiling",
-                 extra={"median_ms": c.median_ms, "metric": c.value, "ratio_to_ceiling": 1.0, "note": c.what})
-            for c in ceil.values()]
+    progress = Progress(total=len(cases) + (0 if args.as_baseline else 2))
+    rows: list[dict] = []
+    ceil: dict[str, ceilings_lib.Ceiling] = {}
+    if not args.as_baseline:
+        progress.describe("ceilings")
+        ceil = ceilings_lib.measure_all(tiny=args.tiny, target_s=target_s)
+        progress.step(2)
+        rows += [_row("ceiling", c.name, c.unit, None, ctx=ctx, anchor=False, kind="ceiling",
+                      extra={"median_ms": c.median_ms, "metric": c.value, "ratio_to_ceiling": 1.0, "note": c.what})
+                 for c in ceil.values()]
+        writer.write(rows)
     tol_by_workload = {}
     for spec in specs:
         applicable = [i for i in impls if i.applies(spec)]
         if not applicable:
             continue
+        cheapest = min(est.case(spec, i.name) for i in applicable)
+        if not budget.fits(est.setup(spec) + cheapest + reserve):
+            for impl in applicable:
+                budget.skip(spec.id, impl.name)
+                progress.step()
+            continue
         progress.describe(f"{spec.id} inputs")
+        t_setup = time.perf_counter()
         host = wl.build_host(spec)
         tol_by_workload[spec.id] = checks.tolerance(spec.jnp_dtype)
         n_sets = wl.num_input_sets(host, max_sets=2 if args.tiny else 32)
@@ -377,31 +535,59 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - time anyway, rel_err stays null
                 subset_error = _short_error(e)
                 progress.write(f"{spec.id}: reference check unavailable: {subset_error}")
-        extra = {}
-        if spec.id.startswith("split-"):
-            extra = {"batch": host.num_seqs, "ctx": int(host.seq_lens.max()), "family": "split"}
+        extra = {"setup_s": round(time.perf_counter() - t_setup, 2), "target_s": target_s}
+        if spec.family == "split":
+            extra.update(batch=host.num_seqs, ctx=int(host.seq_lens.max()), family="split")
+        elif spec.family:
+            extra["family"] = spec.family
         for impl in applicable:
+            if not budget.fits(est.case(spec, impl.name) + reserve):
+                budget.skip(spec.id, impl.name)
+                progress.step()
+                continue
             progress.describe(f"{spec.id} {impl.name}")
             res = measure_case(impl, batches, options, subset, target_s, verbose=args.verbose)
             if subset_error and res.ok:
                 res.note = (res.note + "; " if res.note else "") + "no reference check"
+            name = args.as_baseline or impl.name
             for unit in spec.units:
-                rows.append(_row(spec.id, impl.name, unit, res, ctx=ctx, anchor=impl.anchor, kind=spec.kind,
-                                 extra=extra))
+                rows.append(_row(spec.id, name, unit, res, ctx=ctx, anchor=impl.anchor and not args.as_baseline,
+                                 kind=spec.kind, extra=extra))
+            add_ratios(rows, ceil)
+            writer.write(rows)
+            progress.write(f"{spec.id} {name}: " + (f"error: {res.error}" if res.error else
+                           f"{_fmt(res.median_ms, '.4f')} ms, {_fmt_metric(res.metric(spec.units[0]))} "
+                           f"{spec.units[0]}") + f" ({res.wall_s:.1f} s)")
             progress.step()
         del batches, subset
         gc.collect()
     progress.close()
-    add_ratios(rows, ceil)
+
+    baseline_note = ""
+    if args.baseline:
+        from benchmarks import baseline as baseline_lib
+        left = budget.left()
+        if left is not None and left < BASELINE_START_S:
+            budget.skip("*", f"pallas_attn@{args.baseline}")
+        else:
+            base_rows, commit = baseline_lib.run(args.baseline, _baseline_args(args, specs, target_s), left)
+            rows += base_rows
+            add_ratios(rows, ceil)
+            writer.write(rows)
+            baseline_note = f"baseline pallas_attn@{args.baseline} = {commit}: {len(base_rows)} rows"
 
     print()
     for line in FORMULAS:
         print(line)
     print_table(rows, tol_by_workload)
-    path = results_path(out_dir, ctx["date"], device_slug(kind), args.tiny)
-    allrows = write_rows(path, rows, merge=not args.no_merge)
-    print(f"\nwrote {len(rows)} rows to {path}" + (f" ({len(allrows) - len(rows)} kept from earlier)"
-                                                  if len(allrows) > len(rows) else ""))
+    allrows = writer.write(rows)
+    kept = len(allrows) - len(rows)
+    print(f"\nwrote {len(rows)} rows to {path}" + (f" ({kept} kept from earlier)" if kept else ""))
+    if baseline_note:
+        print(baseline_note)
+    if budget.skipped:
+        print(f"skipped for the budget ({args.budget:.0f} s): {len(budget.skipped)} case(s): "
+              + ", ".join(budget.skipped))
     if not args.no_plots:
         try:
             from benchmarks import plots
@@ -415,7 +601,7 @@ def main(argv=None) -> int:
 
 def _main_sweep(args, specs, options, out_dir, ctx, target_s) -> int:
     from benchmarks import sweep
-    specs = [s for s in specs if not s.id.startswith("split-")]
+    specs = [s for s in specs if s.family != "split"]
     progress = Progress(total=len(specs))
     per_workload = {}
     for spec in specs:
@@ -459,7 +645,7 @@ def _main_sweep(args, specs, options, out_dir, ctx, target_s) -> int:
         else:
             import pallas_attn.core.tuned
             for line in sweep.write_tables(proposals, pallas_attn.core.tuned.__file__):
-                print(f"wrote pallas_attn/tuned.py: {line}")
+                print(f"wrote pallas_attn/core/tuned.py: {line}")
     path = results_path(out_dir, ctx["date"], device_slug(ctx["device"]), args.tiny, suffix="-sweep")
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {**ctx, "device_kind": ctx["device"], "target_s": target_s, "tables": proposals,

@@ -8,7 +8,7 @@ varies what only makes sense around the stage-1 winner (prefill: query heads per
 compile (shared memory, register limits) or is wrong is recorded with its error and skipped.
 
 Table entries: for each kernel family the config with the best geometric-mean speed-up over the family's
-workloads (among configs measured on all of them) is proposed, keyed the way ``pallas_attn/config.py`` looks it
+workloads (among configs measured on all of them) is proposed, keyed the way ``pallas_attn/core/config.py`` looks it
 up: prefill and decode by ``(device kind, next_pow2(head_dim))``, sparse by ``(device kind, num_q_heads)``.
 """
 
@@ -160,16 +160,18 @@ def propose_tables(specs, per_workload: dict, device_kind: str) -> list[dict]:
 
 
 def strip_private(per_workload: dict) -> dict:
+    def strip(e):
+        return None if e is None else {k: v for k, v in e.items() if not k.startswith("_")}
+
     clean = {}
     for wid, d in per_workload.items():
-        strip = lambda e: None if e is None else {k: v for k, v in e.items() if not k.startswith("_")}
         clean[wid] = {"default": strip(d["default"]), "winner": strip(d["winner"]),
                       "results": [strip(e) for e in d["results"]]}
     return clean
 
 
 def write_tables(proposals: list[dict], path) -> list[str]:
-    """Merge the proposals into the generated module ``pallas_attn/tuned.py`` at ``path`` (entries for other
+    """Merge the proposals into the generated module ``pallas_attn/core/tuned.py`` at ``path`` (entries for other
     devices and head dims are kept) and rewrite it; returns the entries written. The ragged family's winner is
     not written: it shares DECODE_TABLE with the decode kernel, whose own sweep decides that entry."""
     import ast

@@ -1,4 +1,4 @@
-"""The standard workloads of DESIGN.md §4 as data, their device-array builders and their derived metrics.
+"""The benchmark workloads as data, their device-array builders and their derived metrics.
 
 A workload is a :class:`Spec`: shapes plus a list of request :class:`Group` s (new query tokens and keys per
 request). :func:`build_host` turns it into a :class:`HostBatch` (numpy lengths, page tables, top-k indices),
@@ -17,7 +17,9 @@ Metric formulas (all counted from the host metadata, never from the kernel):
 * sparse gathered bytes = Σ_tokens Σ_valid-indices 576 · itemsize
 
 Every standard workload has a ``--tiny`` twin (same structure, a few dozen tokens, 4 query heads) so the whole
-harness runs on CPU in interpret mode in seconds.
+harness runs on CPU in interpret mode in seconds. Beside the standard workloads, :data:`FAMILIES` holds grids run on
+demand (``--family NAME``): the split-KV sweep, the prefill shapes the default-backend rule is set on, and sparse
+decode batches of other sizes.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Spec:
     request over a paged cache), ``ragged`` (packed new tokens over a paged cache, :func:`pallas_attn.paged_attention`)
     or ``sparse`` (top-k sparse MLA over a paged latent cache).
     units: the derived metrics reported, primary first.
+    family: "" for the standard workloads, else the :data:`FAMILIES` grid the workload belongs to (anchors and the
+    jnp floor run on the standard workloads only).
     """
     id: str
     kind: str
@@ -74,6 +78,7 @@ class Spec:
     topk: int = 0  # sparse only
     kv_lora_rank: int = 512  # sparse only: value dims (the first kv_lora_rank of head_dim)
     units: tuple[str, ...] = ("TFLOP/s",)
+    family: str = ""
 
     @property
     def jnp_dtype(self):
@@ -87,8 +92,8 @@ WORKLOADS: dict[str, Spec] = {s.id: s for s in [
     Spec("P2", "prefill", "long prefill, one request of 32768", (Group((32768,)),)),
     Spec("D1", "decode", "paged decode, 64 requests ctx 1k..8k, block 16", (Group(Draw(1024, 8192, 64), 1),),
          units=("GB/s",)),
-    Spec("D2", "decode", "long-context decode (split-KV), ctx 20000..131072", (Group((20000, 35000, 65536, 131072), 1),),
-         units=("GB/s",)),
+    Spec("D2", "decode", "long-context decode (split-KV), ctx 20000..131072",
+         (Group((20000, 35000, 65536, 131072), 1),), units=("GB/s",)),
     Spec("V1", "ragged", "verification, 32 requests 4k..16k, 6 new tokens each", (Group(Draw(4096, 16384, 32), 6),),
          seed=1, units=("GB/s",)),
     Spec("M1", "ragged", "mixed: 4 chunks 512 over 4096 + 56 decodes 1k..8k + 8 verifications q=6",
@@ -124,7 +129,75 @@ def split_sweep_specs(tiny: bool = False) -> list[Spec]:
     contexts = TINY_SPLIT_SWEEP_CTX if tiny else SPLIT_SWEEP_CTX
     extra = _TINY if tiny else {}
     return [Spec(f"split-b{b}-c{c}", "decode", f"decode sweep: batch {b}, ctx {c}", (Group((c,) * b, 1),),
-                 units=("GB/s",), **extra) for b in batches for c in contexts]
+                 units=("GB/s",), family="split", **extra) for b in batches for c in contexts]
+
+
+def _prefill_rule_lengths() -> dict[str, tuple[tuple[int, ...], int]]:
+    """name: (request lengths, head_dim). The draws come from one ``default_rng(0)`` in this order (P1-unaligned,
+    R64, mixed-128x1-256), so the shapes stay those of ``results/lab/prefill-backend-rule*.json``."""
+    rng = np.random.default_rng(0)
+    unaligned = tuple(int(n + d) for n, d in zip(_P1_LENS, rng.integers(-7, 8, len(_P1_LENS))))
+    r64 = tuple(int(x) for x in rng.integers(128, 4097, 64))
+    mixed = tuple(int(x) for x in rng.integers(1, 257, 128))
+    shapes = {"P1-unaligned": (unaligned, 128), "R64": (r64, 128), "mixed-128x1-256": (mixed, 128),
+              "P1-d64": (_P1_LENS, 64)}
+    for n, length in ((256, 128), (128, 256), (64, 512), (512, 64), (1024, 32)):
+        shapes[f"short-{n}x{length}"] = ((length,) * n, 128)
+    for length in (64, 128, 256, 512, 1024, 2048):
+        shapes[f"one-{length}"] = ((length,), 128)
+    for n, length in ((64, 512), (32, 1024), (16, 2048), (8, 4096)):
+        shapes[f"d64-{n}x{length}"] = ((length,) * n, 64)
+    return shapes
+
+
+def prefill_rule_specs(tiny: bool = False) -> list[Spec]:
+    """Causal prefill shapes that decide ``varlen_attention``'s default backend: unaligned starts, many short
+    requests, single requests, head_dim 64 (docs/performance.md#prefill-backend-rule)."""
+    if tiny:
+        return [Spec("short-4x16", "prefill", "tiny: 4 requests of 16", (Group((16,) * 4),), family="prefill-rule",
+                     **_TINY),
+                Spec("one-40", "prefill", "tiny: one request of 40", (Group((40,)),), family="prefill-rule", **_TINY)]
+
+    def what(lens, d):
+        uniform = min(lens) == max(lens)
+        sizes = f"{len(lens)} × {lens[0]}" if uniform else f"{len(lens)} requests {min(lens)}..{max(lens)}"
+        return f"causal prefill, {sizes} tokens, head_dim {d}"
+
+    return [Spec(name, "prefill", what(lens, d), (Group(lens),), head_dim=d, family="prefill-rule")
+            for name, (lens, d) in _prefill_rule_lengths().items()]
+
+
+SPARSE_SHAPES = ((1, 8192, 128, 2048), (8, 8192, 128, 2048), (16, 8192, 128, 256), (64, 8192, 128, 512),
+                 (64, 8192, 64, 2048), (256, 8192, 128, 2048))  # (requests, ctx, heads, top-k)
+
+
+def sparse_shape_specs(tiny: bool = False) -> list[Spec]:
+    """Sparse MLA decode batches beside S1 (S1's block size, dims and top-k sampling; other request counts,
+    heads and top-k), for the sparse default-backend rule (docs/performance.md#sparse-mla)."""
+    s1 = TINY_WORKLOADS["S1"] if tiny else WORKLOADS["S1"]
+    shapes = ((2, 64, 16, 32), (3, 96, 16, 64)) if tiny else SPARSE_SHAPES
+    return [dataclasses.replace(s1, id=f"sparse-b{n}-c{ctx}-h{h}-k{k}", family="sparse-shapes",
+                                what=f"sparse MLA decode, {n} requests ctx {ctx}, top-k {k}, {h} heads",
+                                groups=(Group((ctx,) * n, 1),), num_q_heads=h, topk=k)
+            for n, ctx, h, k in shapes]
+
+
+FAMILIES = {"split": split_sweep_specs, "prefill-rule": prefill_rule_specs, "sparse-shapes": sparse_shape_specs}
+
+
+def family_specs(names, tiny: bool = False) -> list[Spec]:
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown workload families {unknown}; known: {sorted(FAMILIES)}")
+    return [spec for n in names for spec in FAMILIES[n](tiny)]
+
+
+def find_spec(workload_id: str, tiny: bool = False) -> Spec | None:
+    """The spec of a standard or family workload id, or None."""
+    table = TINY_WORKLOADS if tiny else WORKLOADS
+    if workload_id in table:
+        return table[workload_id]
+    return next((s for s in family_specs(list(FAMILIES), tiny) if s.id == workload_id), None)
 
 
 def get_specs(ids, tiny: bool = False) -> list[Spec]:
@@ -296,7 +369,10 @@ def build_arrays(host: HostBatch, key: jax.Array) -> Batch:
     s = host.spec
     dt = s.jnp_dtype
     kq, kk, kv = jax.random.split(key, 3)
-    normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dt)
+
+    def normal(k, shape):
+        return jax.random.normal(k, shape, jnp.float32).astype(dt)
+
     T = host.num_tokens
     arrays: dict[str, jax.Array] = {}
     if s.kind == "prefill":

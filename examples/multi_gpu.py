@@ -135,8 +135,8 @@ def main() -> int:
 
     # the merge alone, on the devices' real partial states
     def partial_states(q, kc, vc, bt, cl):
-        o, l = paged_decode_attention(q, kc[0], vc[0], bt[0], cl[0], return_lse=True)
-        return o[None], l[None]
+        o, lse = paged_decode_attention(q, kc[0], vc[0], bt[0], cl[0], return_lse=True)
+        return o[None], lse[None]
 
     local = jax.jit(jax.shard_map(partial_states, mesh=mesh, in_specs=(P(), P("cp"), P("cp"), P("cp"), P("cp")),
                                   out_specs=(P("cp"), P("cp")), check_vma=False))
@@ -147,8 +147,8 @@ def main() -> int:
                                         check_vma=False))
     s_local = timeit(local_steps, zero, q_rep, kc, vc, bt, cl, target_s=target_s) / reps
 
-    def merge_only(o, l):
-        m, _ = parallel.cross_device_merge(o[0], l[0], "cp", merge=args.merge)
+    def merge_only(o, lse):
+        m, _ = parallel.cross_device_merge(o[0], lse[0], "cp", merge=args.merge)
         return m.astype(dtype)
 
     merge = jax.jit(jax.shard_map(merge_only, mesh=mesh, in_specs=(P("cp"), P("cp")), out_specs=P(), check_vma=False))
@@ -202,7 +202,8 @@ def main() -> int:
             f"block {bs}, {jnp.dtype(dtype).name}", merge=args.merge, keys_per_device=keys_per_dev.tolist(),
             reps_per_program=reps, one_device_us=s_one * 1e6, one_device_gbs=gbs_one, cp_us=s_cp * 1e6,
             cp_gbs_per_device=per_dev, speedup=s_one / s_cp, local_kernels_us=s_local * 1e6,
-            merge_us=s_merge * 1e6, merge_share=s_merge / s_cp, per_call_dispatch_included=rows, rel_l2_cp_vs_one=err_one, rel_l2_cp_vs_reference=err_ref, ok=bool(ok)),
+            merge_us=s_merge * 1e6, merge_share=s_merge / s_cp, per_call_dispatch_included=rows,
+            rel_l2_cp_vs_one=err_one, rel_l2_cp_vs_reference=err_ref, ok=bool(ok)),
             indent=1))
     return 0 if ok else 1
 

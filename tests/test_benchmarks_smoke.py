@@ -1,8 +1,9 @@
 """The benchmark harness runs end to end: ``--tiny`` mode, one workload (P1), one implementation (pallas_attn).
 
-Interpreted on CPU (a few seconds), compiled on a GPU; checks the JSON rows DESIGN.md §4 asks for. The
-``jax_pallas_mgpu`` anchor (GPU only) is checked without a GPU: its per-length-group layout round-trips packed rows
-exactly, it refuses what it cannot run, and its P1/P2 function lowers for an abstract H200 (~4 s).
+Interpreted on CPU (a few seconds), compiled on a GPU; checks the JSON rows the results format promises, the
+``--variant`` and ``--budget`` options, and that a run cut short leaves a readable file. The ``jax_pallas_mgpu``
+anchor (GPU only) is checked without a GPU: its per-length-group layout round-trips packed rows exactly, it refuses
+what it cannot run, and its P1/P2 function lowers for an abstract H200 (~4 s).
 """
 
 from __future__ import annotations
@@ -40,6 +41,65 @@ def test_tiny_p1_pallas_attn_writes_rows(tmp_path, capsys):
     assert "P1" in out and "pallas_attn" in out
 
 
+def test_variant_row_calls_the_public_function_with_its_arguments(tmp_path):
+    assert run.main(["--tiny", "--only", "P1", "--impl", "none", "--variant", "bn32:backend=triton,config.block_n=32",
+                     "--out", str(tmp_path), "--no-plots"]) == 0
+    (path,) = tmp_path.glob("*-tiny.json")
+    rows = [r for r in json.loads(path.read_text()) if r["workload"] == "P1"]
+    assert [r["impl"] for r in rows] == ["pallas_attn/bn32"]
+    assert rows[0]["error"] is None and rows[0]["rel_err"] < 2e-2
+    assert rows[0]["note"].startswith("backend=triton,config.block_n=32")
+
+
+def test_variant_parsing_and_config_fields():
+    from benchmarks import variants, workloads as wl
+    v = variants.parse("x:num_splits=4,config.block_n=128,config.approx_exp2=false,registers=232/40")
+    assert dict(v.kwargs) == {"num_splits": 4, "registers": (232, 40)}
+    assert v.fields == (("config", "block_n", 128), ("config", "approx_exp2", False))
+    d1, p1, s1 = (wl.WORKLOADS[i] for i in ("D1", "P1", "S1"))
+    split = variants.parse("s:num_splits=4,config.block_n=128")
+    assert variants.accepts(d1, split) and not variants.accepts(p1, split)
+    kw = variants.resolve(d1, split)
+    assert kw["num_splits"] == 4 and kw["config"].block_n == 128
+    triton = variants.parse("t:backend=triton")
+    assert variants.accepts(p1, triton) and variants.accepts(s1, triton)
+    with pytest.raises(ValueError, match="no field"):
+        variants.resolve(p1, variants.parse("bad:config.nope=1"))
+    for bad in ("noname", "a/b:x=1", "n:config=3", "n:other.x=1", "n:x"):
+        with pytest.raises(ValueError):
+            variants.parse(bad)
+    with pytest.raises(ValueError, match="already"):
+        variants.make_impls(["triton:backend=triton"], {"pallas_attn/triton"})
+
+
+def test_budget_skips_and_says_so(tmp_path, capsys):
+    assert run.main(["--tiny", "--only", "P1", "--impl", "pallas_attn", "--budget", "0", "--out", str(tmp_path),
+                     "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped P1/pallas_attn: budget" in out and "skipped for the budget" in out
+    (path,) = tmp_path.glob("*-tiny.json")
+    assert {r["workload"] for r in json.loads(path.read_text())} == {"ceiling"}  # nothing recorded for P1
+
+
+def test_run_cut_short_leaves_a_readable_file(tmp_path, monkeypatch):
+    calls = []
+
+    def measure_then_die(impl, batches, options, subset, target_s, verbose=False):
+        if calls:
+            raise KeyboardInterrupt  # the second case: the run is killed
+        calls.append(impl.name)
+        return run.CaseResult(batches[0].host, median_s=1e-3, wall_s=0.1)
+
+    monkeypatch.setattr(run, "measure_case", measure_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run.main(["--tiny", "--only", "P1,P2", "--impl", "pallas_attn", "--out", str(tmp_path), "--no-plots"])
+    (path,) = tmp_path.glob("*-tiny.json")
+    rows = json.loads(path.read_text())
+    assert [(r["workload"], r["impl"]) for r in rows if r["workload"] != "ceiling"] == [("P1", calls[0])]
+    assert rows[-1]["metric"] > 0 and rows[-1]["ratio_to_ceiling"] > 0 and rows[-1]["wall_s"] == 0.1
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 def test_impl_selector_matches_variants_and_rejects_unknown():
     from benchmarks import impls
     names = [i.name for i in impls.select(impls.all_impls(), ["pallas_attn"])]
@@ -47,9 +107,23 @@ def test_impl_selector_matches_variants_and_rejects_unknown():
     assert [i.name for i in impls.select(impls.all_impls(), ["pallas_attn/paged"])] == ["pallas_attn/paged"]
     with pytest.raises(ValueError, match="unknown implementations"):
         impls.select(impls.all_impls(), ["nope"])
+    assert impls.select(impls.all_impls(), ["none"]) == []
 
 
-def test_standard_workloads_match_design():
+def test_families_and_ids():
+    from benchmarks import workloads as wl
+    rule = wl.prefill_rule_specs()
+    assert len({s.id for s in rule}) == len(rule) and all(s.family == "prefill-rule" for s in rule)
+    mixed = wl.build_host(wl.find_spec("mixed-128x1-256"))
+    assert mixed.num_tokens == 17757  # the shape of results/lab/prefill-backend-rule-short.json
+    assert wl.find_spec("P1") is wl.WORKLOADS["P1"] and wl.find_spec("nope") is None
+    args = run.parse_args(["--only", "p1,one-512", "--family", "sparse-shapes"])
+    ids = [s.id for s in run._selected_specs(args)]
+    assert ids[:2] == ["P1", "one-512"] and all(i.startswith("sparse-") for i in ids[2:])
+    assert [s.id for s in run._selected_specs(run.parse_args(["--split-sweep"]))][0] == "split-b1-c1024"
+
+
+def test_standard_workloads_match_their_definition():
     from benchmarks import workloads as wl
     import numpy as np
     d1 = wl.build_host(wl.WORKLOADS["D1"])
@@ -95,7 +169,10 @@ def test_jax_pallas_mgpu_groups_round_trip_p1():
     assert [k.shape for k in ks] == [(*g, s.num_kv_heads, s.head_dim) for g in P1_GROUPS]
     assert all(x.dtype == jnp.float16 for x in (*qs, *ks, *vs))
     a = batch.arrays
-    through_fp16 = lambda x: np.asarray(x.astype(jnp.float16).astype(s.jnp_dtype))
+
+    def through_fp16(x):
+        return np.asarray(x.astype(jnp.float16).astype(s.jnp_dtype))
+
     assert np.array_equal(np.asarray(prepared.canonical(ks)), through_fp16(a["k"]))
     assert np.array_equal(np.asarray(prepared.canonical(vs)), through_fp16(a["v"]))
     scaled_q = a["q"].astype(jnp.float32) * (1 / math.sqrt(s.head_dim))
@@ -131,6 +208,36 @@ def test_jax_pallas_mgpu_lowers_for_h200(workload, monkeypatch):
     s = wl.WORKLOADS[workload]
     rows, _ = anchors._length_groups(wl.build_host(s))
     fn = anchors._mgpu_fn(attention_mgpu.TuningConfig(**anchors.MGPU_CONFIG, causal=True))
-    shapes = lambda h: tuple(jax.ShapeDtypeStruct((*r.shape, h, s.head_dim), jnp.float16) for r in rows)
+
+    def shapes(h):
+        return tuple(jax.ShapeDtypeStruct((*r.shape, h, s.head_dim), jnp.float16) for r in rows)
+
     text = _lower(fn, shapes(s.num_q_heads), shapes(s.num_kv_heads), shapes(s.num_kv_heads))
     assert text.count("custom_call @mosaic_gpu") == len(rows)
+
+
+def test_baseline_resolves_revisions_and_passes_the_selection_on():
+    from benchmarks import baseline
+    try:
+        head = baseline.resolve("HEAD")
+    except ValueError:
+        pytest.skip("not a git checkout")
+    assert head and all(c in "0123456789abcdef" for c in head)
+    with pytest.raises(ValueError, match="not a revision"):
+        baseline.resolve("no-such-revision-anywhere")
+    args = run.parse_args(["--tiny", "--only", "P1", "--family", "split", "--no-check"])
+    passed = run._baseline_args(args, run._selected_specs(args), 0.02)
+    assert passed[:2] == ["--only", "P1,split-b1-c32,split-b1-c128,split-b2-c32,split-b2-c128"]
+    assert "--tiny" in passed and "--no-check" in passed
+
+
+def test_budget_estimates_prefer_what_was_measured(tmp_path):
+    from benchmarks import workloads as wl
+    p1, p2 = wl.WORKLOADS["P1"], wl.WORKLOADS["P2"]
+    rows = [{"workload": "P1", "impl": "jnp", "unit": "TFLOP/s", "wall_s": 42.0, "setup_s": 7.0, "target_s": 0.5},
+            {"workload": "P2", "impl": "jnp", "unit": "TFLOP/s", "wall_s": 99.0, "setup_s": 9.0, "target_s": 0.2}]
+    (tmp_path / "2026-12-03-nvidia-h200.json").write_text(json.dumps(rows))
+    est = run.Estimates.load(tmp_path, "nvidia-h200", tiny=False, target_s=0.5)
+    assert est.case(p1, "jnp") == 42.0 and est.setup(p1) == 7.0
+    assert est.case(p2, "jnp") == run.CASE_S["P2"] and est.setup(p2) == run.SETUP_S["P2"]  # other --target-s
+    assert run.Estimates(0.5).case(wl.prefill_rule_specs()[0], "pallas_attn") == run.FAMILY_CASE_S

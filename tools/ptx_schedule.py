@@ -1,11 +1,12 @@
 """Where ptxas puts a Mosaic GPU kernel's wgmma waits, from a PTX dumped on the device, on a CPU-only machine.
 
 The Mosaic GPU pipeline (MLIR → LLVM → PTX) runs inside the CUDA plugin, so the PTX comes from the device
-(``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=dir``, e.g. with ``scripts/ncu_prefill.py``). The SASS must come from
-the device's own ptxas: the H200 image compiles with CUDA 13.0 (jax-cuda13-plugin), and ``--ptxas`` defaults to
-``/usr/local/cuda-13.0/bin/ptxas`` where this machine has it (the same build, V13.0.88: its SASS matched ncu's
-source view on the device, instruction for instruction, where the ptxas 12.9 of the ``triton`` wheel put the waits
-elsewhere). Prints ptxas's performance warnings (C7513: wgmma serialised), registers and spills, and for every
+(``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=dir``, e.g. with ``python -m benchmarks.lab.ncu_prefill``). The SASS
+is only the device's if it comes from the device's own ptxas: jax-cuda13-plugin compiles with CUDA 13.0's, whose
+SASS matches ncu's source view instruction for instruction, where the ptxas 12.x of the ``triton`` wheel places the
+waits elsewhere. Give that ptxas with ``--ptxas`` or ``$PTXAS``; without either, the triton wheel's bundled ptxas,
+then one on ``PATH`` (an older ptxas reads PTX ISA 8.8 at most, so the PTX's ``.version 9.0`` is lowered to 8.8,
+with a warning). Prints ptxas's performance warnings (C7513: wgmma serialised), registers and spills, and for every
 ``wait_group 1`` (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) how many MUFU.EX2 instructions run before the next full wait:
 in an intra-warpgroup overlap the softmax's exp2s belong there, under the in-flight P · V; and per K/V step loop
 (a loop with HGMMAs) its instructions and the spill loads/stores ptxas put in it. Costs no device time. cuobjdump
@@ -26,14 +27,40 @@ import sys
 import tempfile
 
 
-DEVICE_PTXAS = "/usr/local/cuda-13.0/bin/ptxas"
-
 
 def triton_bin(name: str) -> str:
     """Path of a CUDA tool bundled in the triton wheel (ptxas, ptxas-blackwell, cuobjdump, nvdisasm)."""
     import triton
 
     return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def find_ptxas(explicit: str | None = None) -> str:
+    """ptxas to run: ``explicit`` (``--ptxas``), then ``$PTXAS``, then the triton wheel's bundled
+    ``backends/nvidia/bin/ptxas``, then ``ptxas`` on PATH; raises ``FileNotFoundError`` saying how to provide one."""
+    for source, path in (("--ptxas", explicit), ("$PTXAS", os.environ.get("PTXAS"))):
+        if path:
+            if not (pathlib.Path(path).is_file() and os.access(path, os.X_OK)):
+                raise FileNotFoundError(f"{source} {path}: not an executable file")
+            return path
+    try:
+        bundled = triton_bin("ptxas")
+        if pathlib.Path(bundled).is_file():
+            return bundled
+    except ImportError:
+        pass
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    raise FileNotFoundError("no ptxas: pass --ptxas or set $PTXAS (the device's CUDA 13.0 ptxas gives the device's "
+                            "SASS), or pip install triton==3.6.0 (it bundles one), or put ptxas on PATH")
+
+
+def ptxas_major(ptxas: str) -> int | None:
+    """The CUDA release of a ptxas (``ptxas --version``: "... release 13.0, V13.0.88"), or None."""
+    out = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+)\.", out)
+    return int(m[1]) if m else None
 
 
 def cuobjdump() -> str:
@@ -57,14 +84,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("ptx", type=pathlib.Path)
     ap.add_argument("--sass", type=pathlib.Path, default=None, help="also write the SASS here")
-    ap.add_argument("--ptxas", default=DEVICE_PTXAS if pathlib.Path(DEVICE_PTXAS).exists() else None,
-                    help="ptxas to run (default: CUDA 13.0's, the device's; else the triton wheel's 12.9)")
+    ap.add_argument("--ptxas", default=None,
+                    help="ptxas to run (default: $PTXAS, the triton wheel's, PATH's); the device's CUDA 13.0 "
+                         "ptxas gives the device's SASS")
     args = ap.parse_args(argv)
     ptx = args.ptx.read_text()
-    ptxas = args.ptxas
-    if ptxas is None:  # ptxas 12.9 reads PTX ISA 8.8 at most: the device writes 9.0
-        print("warning: CUDA 13.0's ptxas not found; ptxas 12.9 places the waits differently", file=sys.stderr)
-        ptx, ptxas = ptx.replace(".version 9.0", ".version 8.8", 1), triton_bin("ptxas-blackwell")
+    try:
+        ptxas = find_ptxas(args.ptxas)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    major = ptxas_major(ptxas)
+    if major is not None and major < 13 and ".version 9.0" in ptx:  # ptxas 12.x reads PTX ISA 8.8 at most
+        print(f"warning: {ptxas} is CUDA {major}: PTX lowered to ISA 8.8; it places the waits unlike the device's "
+              "CUDA 13.0 ptxas", file=sys.stderr)
+        ptx = ptx.replace(".version 9.0", ".version 8.8", 1)
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = pathlib.Path(tmp, "k.ptx"), pathlib.Path(tmp, "k.cubin")
         src.write_text(ptx)
