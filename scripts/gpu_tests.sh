@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU session, part 1: the whole test suite compiled on the GPU. Verbose, so every test's name and verdict reach
+# The whole test suite compiled on a GPU. Verbose, so every test's name and verdict reach
 # $OUT/pytest.log as it finishes, even if the time limit cuts the run before pytest's summary.
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
