@@ -48,6 +48,27 @@ class PrefillConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicPrefillConfig:
+    """Varlen prefill on the Mosaic GPU backend (Hopper): ``block_kv`` keys per K/V shared-memory slot,
+    ``max_concurrent_steps`` slots in the ring the memory warpgroup fills ahead of the compute warpgroups, and
+    ``p_chunks`` column blocks in which a step's exponentials are summed and packed to the P · V operand (each block
+    before the next block's exponentials: fewer float32 registers live at once).
+
+    The defaults are the kernel measured on the H200 (docs/performance.md#varlen-prefill-mosaic-gpu). At head dim 128
+    two 128-key slots are what fits the 227 KB of shared memory beside Q/O; smaller heads leave room for more or
+    wider slots."""
+    block_kv: int = 128
+    max_concurrent_steps: int = 2
+    p_chunks: int = 2  # at 2 the step's registers fit without spills; 1 (all of P at once) spilled and ran slower
+
+    def __post_init__(self):
+        _check_pow2("block_kv", self.block_kv, lo=64, hi=256)  # wgmma: N <= 256, whole 64-key swizzle tiles
+        if not 2 <= self.max_concurrent_steps <= 8:  # one slot would leave nothing to load ahead
+            raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be in [2, 8]")
+        _check_pow2("p_chunks", self.p_chunks, lo=2, hi=self.block_kv // 8)  # blocks of whole 8-column tiles
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Paged decode and ragged paged attention: ``block_n`` keys per KV tile (a whole number of pages when
     ``block_size <= block_n``), ``block_q`` query tokens per program for ragged batches."""

@@ -34,6 +34,7 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
 
 
 BACKENDS = backend_lib.BACKENDS
+CONFIG_TYPES = {"triton": config_lib.PrefillConfig, "mosaic": config_lib.MosaicPrefillConfig}  # backend → config
 # The default on sm_90 (measured on the H200, benchmarks/NOTES.md, fourteenth session: GPU time a call, 20 calls in
 # one jitted function): the Mosaic kernel from this max_seqlen on, per head_dim, and only for batches of at least
 # MOSAIC_MIN_TOKENS packed rows; else the Triton kernel.
@@ -64,7 +65,8 @@ def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
                                              "config", "backend"))
 def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = True, softmax_scale: float | None = None,
                      return_lse: bool = False, interpret: bool | None = None,
-                     config: config_lib.PrefillConfig | None = None, backend: str | None = None):
+                     config: config_lib.PrefillConfig | config_lib.MosaicPrefillConfig | None = None,
+                     backend: str | None = None):
     """Attention over requests packed along the token axis; each request sees only its own tokens.
 
     Args:
@@ -79,8 +81,10 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       softmax_scale: default ``1/sqrt(head_dim)``.
       return_lse: also return the natural-log LSE ``f32[num_tokens, num_q_heads]`` (``-inf`` for padding rows).
       interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.backend`).
-      config: block sizes / warps / stages (:class:`pallas_attn.config.PrefillConfig`); None → tuned default.
-        Triton backend only.
+      config: the kernel's tuning knobs, never its semantics: :class:`pallas_attn.core.config.PrefillConfig`
+        (Triton: block sizes, warps, stages) or :class:`pallas_attn.core.config.MosaicPrefillConfig` (Mosaic GPU:
+        K/V slot size and count, P's column blocks). A config selects its backend when ``backend`` is None and must
+        match it otherwise (``TypeError`` naming both classes). None → the tuned default of the chosen backend.
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.prefill_mosaic` (wgmma, TMA, warp
         specialisation; bf16/fp16, head_dim 64 or 128 — anything else raises; interpreted on CPU by the Mosaic
         GPU interpreter). None: :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it applies and was
@@ -101,11 +105,12 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
         backend, config=config, default=lambda: default_backend(q, k, max_seqlen, interpret),
-        mosaic_unsupported=lambda: mosaic_prefill.supported(q, k))
+        mosaic_unsupported=lambda: mosaic_prefill.supported(q, k), config_types=CONFIG_TYPES)
     if backend == "mosaic":
         out, lse = mosaic_prefill.varlen_attention_mosaic(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,
                                                          scale=float(scale), return_lse=return_lse,
-                                                         interpret=interpret)
+                                                         interpret=interpret,
+                                                         cfg=config or config_lib.MosaicPrefillConfig())
         return (out, lse) if return_lse else out
     cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
     return triton_prefill.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,
