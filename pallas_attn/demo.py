@@ -448,6 +448,17 @@ def describe_batch(b: Batch) -> str:
 # ------------------------------------------------------------------------------------------------ entry point
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a timing needs at least one call)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {value}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     default_dtype = "bfloat16" if backend.on_gpu() else "float32"
     parser = argparse.ArgumentParser(
@@ -457,7 +468,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=default_dtype,
                         help=f"input dtype (default here: {default_dtype}; bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and of the page shuffle")
-    parser.add_argument("--repeats", type=int, default=None,
+    parser.add_argument("--repeats", type=_positive_int, default=None,
                         help="timed calls per case after the warm-up (default 3 interpreted, 20 compiled)")
     parser.add_argument("--plain", action="store_true", help="plain-text table even if rich is installed")
     return parser.parse_args(argv)
