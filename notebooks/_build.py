@@ -1,6 +1,6 @@
 """Generates notebooks/01_packed_requests.ipynb, 02_paged_kv.ipynb and 03_use_in_a_model.ipynb (outputs stripped).
 
-    /tmp/venv/bin/python notebooks/_build.py
+    python notebooks/_build.py
 """
 import pathlib
 
@@ -40,8 +40,8 @@ def nb(cells):
 NB1 = [
 """md:# 01 — Many requests in one launch: packing, masks, tiles, online softmax
 
-The seed's story (DESIGN.md §1) with pictures. Everything runs on CPU: the Pallas kernels run in *interpret
-mode* (same kernel code, executed by the host), so the shapes here are tiny.""",
+The first half of [the design](../docs/design.md) with pictures. Everything runs on CPU: the Pallas kernels run in
+*interpret mode* (same kernel code, executed by the host), so the shapes here are tiny.""",
 SETUP,
 """md:## 1. Packing: two requests, one token tensor
 
@@ -192,8 +192,9 @@ for row in masks.tile_map(q_len, kv, 8, 8):
 NB2 = [
 """md:# 02 — Paged KV cache: block tables, a decode loop, split-KV, sparse top-k
 
-DESIGN.md §1.9–§1.12. All requests share one pool of pages; each request's block table maps its logical pages
-to physical ones: `physical = block_table[req][pos // block_size]`, `slot = physical·block_size + pos % block_size`.""",
+[The design](../docs/design.md#paged-kv-layout), paged half. All requests share one pool of pages; each request's
+block table maps its logical pages to physical ones: `physical = block_table[req][pos // block_size]`,
+`slot = physical·block_size + pos % block_size`.""",
 SETUP,
 """md:## 1. Block tables and the page pool
 

@@ -1,9 +1,9 @@
 """pallas_attn: many requests of different lengths in one launch, each seeing only its own context.
 
-Pallas GPU kernels for JAX (Triton backend): packed varlen prefill, paged decode with split-KV, ragged paged
-attention for mixed prefill / decode / verification batches, and top-k sparse MLA attention. Every function is
-pure, works under ``jax.jit``, runs compiled on a GPU and interpreted on CPU, and has a pure-jnp oracle of the same
-signature in :mod:`pallas_attn.reference`.
+Pallas GPU kernels for JAX (Triton backend; Mosaic GPU on Hopper for prefill and sparse MLA, docs/design.md#backends):
+packed varlen prefill, paged decode with split-KV, ragged paged attention for mixed prefill / decode / verification
+batches, and top-k sparse MLA attention. Every function is pure, works under ``jax.jit``, runs compiled on a GPU
+and interpreted on CPU, and has a pure-jnp oracle of the same signature in :mod:`pallas_attn.reference`.
 
 Shape glossary (one name per axis, used everywhere):
   num_tokens   packed query rows (T)            num_seqs     requests in the batch (B)

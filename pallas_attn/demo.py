@@ -3,7 +3,7 @@
     python -m pallas_attn demo [--dtype bfloat16|float32] [--seed N] [--repeats N] [--plain]
     pallas-attn demo ...                      (the console script)
 
-What it does, in the order of DESIGN.md §2 (metadata → cache write → kernel → output + LSE → merge):
+What it does, in the order of a serving step (metadata → cache write → kernel → output + LSE → merge):
 
 1. `build_metadata` for one packed batch of the kinds a serving step mixes (`REQUESTS`): decodes, fresh
    prefills, a chunked prefill over a cached prefix, a verification of 6 draft tokens and an empty request.

@@ -5,7 +5,7 @@ are not jittable, except `merge_attention_states`), requests are handled one at 
 are gathered with plain indexing, all math is float32 with matmuls at `Precision.HIGHEST` (no TF32 on GPU), and
 every mask is built from absolute key / query positions. Nothing here imports a kernel.
 
-Shared conventions (see DESIGN.md section 3):
+Shared conventions (docs/design.md#conventions):
   * GQA: query head `h` uses kv head `h // (num_q_heads // num_kv_heads)`.
   * `softmax_scale=None` means `1 / sqrt(head_dim)` of the query (sparse MLA: `1 / sqrt(576)`).
   * Outputs are float32. With `return_lse=True` the functions return `(out, lse)`, where `lse` (float32) is the

@@ -206,7 +206,8 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, config):
     (False, False, jnp.bfloat16, 128, 8192, 29184, "triton"),  # not sm_90
 ])
 def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, max_seqlen, num_tokens, expected):
-    """``backend=None`` picks the kernel measured faster on the H200 for the shape (benchmarks/NOTES.md)."""
+    """``backend=None`` picks the kernel measured faster on the H200 for the shape
+    (docs/performance.md#prefill-backend-rule)."""
     from pallas_attn.core import backend
     from pallas_attn.ops import varlen as prefill
     monkeypatch.setattr(backend, "is_hopper", lambda: hopper)

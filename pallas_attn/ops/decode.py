@@ -82,7 +82,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
         when the GPU is already full.
       return_lse: also return ``f32[num_seqs, num_q_heads]`` natural-log LSE.
       interpret: None → compiled on GPU, interpreted on CPU.
-      config: :class:`pallas_attn.config.DecodeConfig`; None → tuned default.
+      config: :class:`pallas_attn.core.config.DecodeConfig`; None → tuned default.
 
     Returns:
       ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``).

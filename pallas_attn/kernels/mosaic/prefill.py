@@ -1,9 +1,10 @@
 """Packed varlen prefill on the Mosaic GPU backend (Hopper: wgmma, TMA, warp specialisation).
 
 ``varlen_attention`` runs this kernel by default on sm_90 where it applies and was measured faster
-(:func:`pallas_attn.prefill.default_backend`), or when asked (``backend="mosaic"``): the same contract as the
-Triton-backend one and the seed's structure, written for the backend that reaches Hopper's own instructions from
-Pallas:
+(:func:`pallas_attn.ops.varlen.default_backend`), or when asked (``backend="mosaic"``, or a
+:class:`pallas_attn.core.config.MosaicPrefillConfig`): the same contract and tile classes as the Triton kernel
+(:mod:`pallas_attn.kernels.triton.prefill`, docs/design.md#tile-classes), written for the backend that reaches
+Hopper's own instructions from Pallas (docs/design.md#backends):
 
 * grid ``(Hkv, work)``: per request ``b`` and KV head, the items are its 64-row query tiles times the ``group``
   query heads that share the KV head (item ``i``: tile ``i // group``, head ``i % group``), and program ``(g, w)``
@@ -12,15 +13,15 @@ Pallas:
   tiles (GQA sharing, any group size). The work list is built from ``cu_seqlens`` in the wrapper, heaviest
   programs first, so the short ones fill the tail; it has a static length and unused slots exit at once.
 * four warpgroups: three compute warpgroups (``S = Q Kᵀ`` and ``O += P V`` with wgmma, the online softmax in
-  registers, exp2 with the scale folded into its FMA) and one memory warpgroup that streams K and V tiles through
-  a ring of two shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers (K and V of a slot
-  refilled apart). The compute warpgroups run free, without turns: while one runs its softmax, the tensor cores
-  have the other two's matmuls (FA3 needs a ping-pong and an intra-warpgroup overlap to hide the softmax behind
-  one other warpgroup; a third hides it plainly, at 160 registers a thread). A step's exponentials are summed and
-  packed to bf16 one column block of the K/V tile at a time (``MosaicPrefillConfig.p_chunks`` blocks, default two),
-  which keeps less of P live in float32 at 160 registers. A warpgroup whose item has fewer K/V steps than the
-  program's longest (the next tile of a causal request has one more) releases the rest of the slots without
-  computing.
+  registers, exp2 with the scale folded into its FMA) and one memory warpgroup that streams K and V tiles through a
+  ring of shared-memory slots (``max_concurrent_steps`` of ``block_kv`` keys; two of 128 by default) with TMA,
+  guarded by "loaded" and "consumed" barriers (K and V of a slot refilled apart). The compute warpgroups run free,
+  without turns: while one runs its softmax, the tensor cores have the other two's matmuls (FA3 needs a ping-pong
+  and an intra-warpgroup overlap to hide the softmax behind one other warpgroup; a third hides it plainly, at 160
+  registers a thread). A step's exponentials are summed and packed to bf16 one column block of the K/V tile at a
+  time (``MosaicPrefillConfig.p_chunks`` blocks, default two), which keeps less of P live in float32 at 160
+  registers. A warpgroup whose item has fewer K/V steps than the program's longest (the next tile of a causal
+  request has one more) releases the rest of the slots without computing.
 * ``cu_seqlens`` is read inside the kernel. Full tiles (■, every key before the tile's first query) run with no
   mask code, diagonal tiles (△) are masked from request-local positions, future tiles (·) are never computed.
   Non-causal: only the last tile masks keys past the request.
@@ -33,30 +34,27 @@ Pallas:
   TMA descriptor needs whole 8-row groups), Q lands in the untiled view and is re-laid out through registers
   instead. Padding rows (past ``cu_seqlens[-1]``) are zeroed by at most 16 extra programs per KV head, 512 rows
   a round.
-* K/V are read in place where they can be: request ``b``'s window ``j`` is its keys ``128 · [j, j + 1)``, packed
-  rows ``cu_seqlens[b] + 128 j`` onwards, which a TMA into tiled shared memory can read when ``cu_seqlens[b]`` is
-  a multiple of 8 and the window ends inside the request. The others are staged, zero-filled past the request's
-  end, by a copy kernel that touches only them: every window of a request that starts elsewhere, and the last,
-  partial window of one that does not (a whole-window ``P @ V`` past a request's end must meet zeros, not a
-  neighbour's NaN: ``0 · NaN = NaN``). P1 and P2 stage nothing.
+* K/V are read in place where they can be: request ``b``'s window ``j`` is its keys ``block_kv · [j, j + 1)``,
+  packed rows ``cu_seqlens[b] + block_kv · j`` onwards, which a TMA into tiled shared memory can read when
+  ``cu_seqlens[b]`` is a multiple of 8 and the window ends inside the request. The others are staged, zero-filled
+  past the request's end, by a copy kernel that touches only them: every window of a request that starts elsewhere,
+  and the last, partial window of one that does not (a whole-window ``P @ V`` past a request's end must meet zeros,
+  not a neighbour's NaN: ``0 · NaN = NaN``). P1 and P2 stage nothing.
 * LSE (natural log) goes to a buffer ``[work slots, Hkv, 3, 64]`` (a 64-wide TMA store per item; ∝ T) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
-Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; the fourteenth session's harness run,
-``benchmarks/results/…-session14-harness-01.json``): P1 568.0 TFLOP/s (cuDNN packed 525.8, JAX's attention_mgpu
-502.5 in six dense calls, Triton kernel 405.4), P2 656.0 (attention_mgpu 589.8, cuDNN 561.9, Triton 461.1); a
-second run 568.5 / 656.3. The same kernel gave 557–562 / 643–648 on the thirteenth session's slower board. The
-two-warpgroup FA3 schedule it replaced ran 520.6 / 580.0 in a tenth-session probe.
-Triton stays faster for one short request (512 tokens: 0.020 vs 0.043 ms of GPU time; this path's work list and
-staging launch cost 10-23 µs more) and for batches of requests shorter than 512 with unaligned starts, which the
-default rule leaves to it.
+Its speed against cuDNN, JAX's attention_mgpu and the Triton kernel, and what each choice above bought:
+docs/performance.md#varlen-prefill-mosaic-gpu. Triton stays faster for short requests (this path's work list and
+staging launch cost 10-23 µs more a call) and for batches of short requests at unaligned starts, which the
+default rule leaves to it (docs/performance.md#prefill-backend-rule).
 
 Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. Its limits
 (jax 0.11.2): wgmma's A operand must be in shared memory (P goes through a scratch buffer there), pl.run_state
 with a pre-initialised accumulator does not run (each P·V is a fresh accumulator there; compiled, P·V accumulates
 into the scaled accumulator), and every thread that waits on a barrier must observe each of its completions
 (the releases are guarded: only steps the memory warpgroup refills). The tile bounds, the softmax update, the two
-tile loops and the finalisation are the shared ones of :mod:`pallas_attn.masks` and :mod:`pallas_attn.softmax`.
+tile loops and the finalisation are the shared ones of :mod:`pallas_attn.core.masks` and
+:mod:`pallas_attn.core.softmax`. Reference: :func:`pallas_attn.reference.varlen_attention`.
 """
 
 from __future__ import annotations
