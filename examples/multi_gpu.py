@@ -123,7 +123,7 @@ def main() -> int:
     vc = parallel.shard_paged_cache(v_cache, shards.page_map, mesh=mesh, axis="cp")
     del k_cache, v_cache  # keep only the per-device pools (the reference below rebuilds from them)
     bt = jax.device_put(jnp.asarray(shards.block_tables), jax.sharding.NamedSharding(mesh, P("cp")))
-    cl = jax.device_put(jnp.asarray(shards.context_lens), jax.sharding.NamedSharding(mesh, P("cp")))
+    cl = jax.device_put(jnp.asarray(shards.seq_lens), jax.sharding.NamedSharding(mesh, P("cp")))
     q_rep = jax.device_put(q, jax.sharding.NamedSharding(mesh, P()))
 
     def cp(q, kc, vc, bt, cl):
@@ -160,7 +160,7 @@ def main() -> int:
     # bytes: K and V of the keys each device reads, plus q and out
     kv_bytes = lambda keys: keys * hkv * d * 2 * itemsize  # noqa: E731
     qo_bytes = 2 * hq * d * itemsize
-    keys_per_dev = shards.context_lens[:, 0]
+    keys_per_dev = shards.seq_lens[:, 0]
     gbs = lambda t, keys: (kv_bytes(int(keys)) + qo_bytes) / t / 1e9  # noqa: E731
     rows = {}
     print(f"{'':22s}{'per call (dispatch incl.)':>40s}{f'per step ({reps} in one program)':>40s}")

@@ -1,6 +1,6 @@
 """Generates notebooks/01_packed_requests.ipynb, 02_paged_kv.ipynb and 03_use_in_a_model.ipynb (outputs stripped).
 
-    /tmp/venv/bin/python notebooks/_build.py
+    python notebooks/_build.py
 """
 import pathlib
 
@@ -40,8 +40,8 @@ def nb(cells):
 NB1 = [
 """md:# 01 — Many requests in one launch: packing, masks, tiles, online softmax
 
-The seed's story (DESIGN.md §1) with pictures. Everything runs on CPU: the Pallas kernels run in *interpret
-mode* (same kernel code, executed by the host), so the shapes here are tiny.""",
+The first half of [the design](../docs/design.md) with pictures. Everything runs on CPU: the Pallas kernels run in
+*interpret mode* (same kernel code, executed by the host), so the shapes here are tiny.""",
 SETUP,
 """md:## 1. Packing: two requests, one token tensor
 
@@ -192,8 +192,9 @@ for row in masks.tile_map(q_len, kv, 8, 8):
 NB2 = [
 """md:# 02 — Paged KV cache: block tables, a decode loop, split-KV, sparse top-k
 
-DESIGN.md §1.9–§1.12. All requests share one pool of pages; each request's block table maps its logical pages
-to physical ones: `physical = block_table[req][pos // block_size]`, `slot = physical·block_size + pos % block_size`.""",
+[The design](../docs/design.md#paged-kv-layout), paged half. All requests share one pool of pages; each request's
+block table maps its logical pages to physical ones: `physical = block_table[req][pos // block_size]`,
+`slot = physical·block_size + pos % block_size`.""",
 SETUP,
 """md:## 1. Block tables and the page pool
 
@@ -256,24 +257,24 @@ segments, each writes `(m_s, l_s, O_s)` (here: output + LSE), and a reduction me
 `m = max lse_s`, `w_s = exp(lse_s − m)`, `O = Σ w_s·O_s / Σ w_s`. The kernel does it with `num_splits`; below the
 same thing by hand with two calls over disjoint key ranges and `merge_attention_states`.""",
 """rng = np.random.default_rng(1)
-ctx = np.array([70, 33])
-kc, vc, bt = make_paged_kv(rng, ctx, 16, HKV, D, jnp.float32)
-qd = jnp.asarray(rng.standard_normal((len(ctx), HQ, D)), jnp.float32)
-cl = jnp.asarray(ctx, jnp.int32)
-ref = reference.paged_decode_attention(qd, kc, vc, bt, cl)
-o1 = pallas_attn.paged_decode_attention(qd, kc, vc, bt, cl, num_splits=1)
-o4 = pallas_attn.paged_decode_attention(qd, kc, vc, bt, cl, num_splits=4)
+lens = np.array([70, 33])
+kc, vc, bt = make_paged_kv(rng, lens, 16, HKV, D, jnp.float32)
+qd = jnp.asarray(rng.standard_normal((len(lens), HQ, D)), jnp.float32)
+seq_lens = jnp.asarray(lens, jnp.int32)
+ref = reference.paged_decode_attention(qd, kc, vc, bt, seq_lens)
+o1 = pallas_attn.paged_decode_attention(qd, kc, vc, bt, seq_lens, num_splits=1)
+o4 = pallas_attn.paged_decode_attention(qd, kc, vc, bt, seq_lens, num_splits=4)
 print(f"num_splits=1: rel. L2 {relative_l2(o1, ref):.1e}   num_splits=4: rel. L2 {relative_l2(o4, ref):.1e}   "
       f"|1 vs 4| max {float(jnp.abs(o1 - o4).max()):.1e}")
 assert relative_l2(o1, ref) < 1e-4 and relative_l2(o4, ref) < 1e-4
 
-# by hand: keys [0, 32) and [32, ctx) — the second half reads the table shifted by 32 // 16 = 2 pages
+# by hand: keys [0, 32) and [32, seq_len) — the second half reads the table shifted by 32 // 16 = 2 pages
 AT = 32
 shift = AT // 16
 bt_hi = jnp.concatenate([bt[:, shift:], jnp.full((bt.shape[0], shift), -1, bt.dtype)], axis=1)
-lo_len = jnp.minimum(cl, AT)
+lo_len = jnp.minimum(seq_lens, AT)
 o_lo, lse_lo = pallas_attn.paged_decode_attention(qd, kc, vc, bt, lo_len, num_splits=1, return_lse=True)
-o_hi, lse_hi = pallas_attn.paged_decode_attention(qd, kc, vc, bt_hi, cl - lo_len, num_splits=1, return_lse=True)
+o_hi, lse_hi = pallas_attn.paged_decode_attention(qd, kc, vc, bt_hi, seq_lens - lo_len, num_splits=1, return_lse=True)
 merged, lse = pallas_attn.merge_attention_states(jnp.stack([o_lo, o_hi]), jnp.stack([lse_lo, lse_hi]))
 print("segment LSEs (request 0, head 0):", float(lse_lo[0, 0]), float(lse_hi[0, 0]), "-> merged", float(lse[0, 0]))
 print(f"manual split + merge: rel. L2 vs reference {relative_l2(merged, ref):.1e}")
@@ -468,8 +469,8 @@ print("layer 0, request 1: keys read back through the block table", k1.shape)"""
 """md:## 5. Decode loop with `paged_decode_attention`, compiled once
 
 Each step: one new token per request, its K/V written to every layer's cache at `slot_mapping`, then
-`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)` — the kernel's `context_lens` argument
-counts the new token, i.e. `md.seq_lens`. Shapes are static and bucketed: the batch is padded from 3 to
+`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)` — `seq_lens` counts every key a query sees,
+the new token included, i.e. `md.seq_lens`. Shapes are static and bucketed: the batch is padded from 3 to
 `num_seqs = 4` requests (the padding request has `seq_len 0`, slot -1, output 0) and the block tables keep the
 bucketed width of the plan, so all steps share one compiled program — the trace counter stays at 1.""",
 """TRACES = 0

@@ -1,9 +1,9 @@
 """pallas_attn: many requests of different lengths in one launch, each seeing only its own context.
 
-Pallas GPU kernels for JAX (Triton backend): packed varlen prefill, paged decode with split-KV, ragged paged
-attention for mixed prefill / decode / verification batches, and top-k sparse MLA attention. Every function is
-pure, works under ``jax.jit``, runs compiled on a GPU and interpreted on CPU, and has a pure-jnp oracle of the same
-signature in :mod:`pallas_attn.reference`.
+Pallas GPU kernels for JAX (Triton backend; Mosaic GPU on Hopper for prefill and sparse MLA, docs/design.md#backends):
+packed varlen prefill, paged decode with split-KV, ragged paged attention for mixed prefill / decode / verification
+batches, and top-k sparse MLA attention. Every function is pure, works under ``jax.jit``, runs compiled on a GPU
+and interpreted on CPU, and has a pure-jnp oracle of the same signature in :mod:`pallas_attn.reference`.
 
 Shape glossary (one name per axis, used everywhere):
   num_tokens   packed query rows (T)            num_seqs     requests in the batch (B)
@@ -17,7 +17,7 @@ LSE convention: natural log, float32, ``-inf`` for a row that sees no key (its o
 
 from pallas_attn.core.cache import allocate_kv_cache, write_kv_cache
 from pallas_attn.checks import checked
-from pallas_attn.core.config import DecodeConfig, PrefillConfig, SparseConfig
+from pallas_attn.core.config import DecodeConfig, MosaicPrefillConfig, PrefillConfig, SparseConfig
 from pallas_attn.ops.decode import paged_decode_attention
 from pallas_attn.core.metadata import BatchMetadata, build_metadata
 from pallas_attn.ops.paged import paged_attention
@@ -40,8 +40,8 @@ except ImportError:  # a source checkout: load reference/ under the same name
     _spec.loader.exec_module(reference)
 
 __all__ = [
-    "BatchMetadata", "DecodeConfig", "PrefillConfig", "SparseConfig", "allocate_kv_cache", "build_metadata", "checked",
-    "merge_attention_states", "paged_attention", "paged_decode_attention", "reference", "sparse_mla_attention", "varlen_attention",
-    "write_kv_cache",
+    "BatchMetadata", "DecodeConfig", "MosaicPrefillConfig", "PrefillConfig", "SparseConfig", "allocate_kv_cache",
+    "build_metadata", "checked", "merge_attention_states", "paged_attention", "paged_decode_attention", "reference",
+    "sparse_mla_attention", "varlen_attention", "write_kv_cache",
 ]
 __version__ = "0.1.0"

@@ -1,9 +1,12 @@
-"""Command line: ``pallas-attn demo [...]`` and ``pallas-attn bench [...]`` (also ``python -m pallas_attn``).
+"""Command line: ``pallas-attn demo [...]``, ``pallas-attn bench [...]`` and ``pallas-attn --version`` (also
+``python -m pallas_attn``).
 
 * ``demo``: one mixed batch through every kernel, each checked against the reference, a table
   (:mod:`pallas_attn.demo`; interpreted on CPU, compiled on GPU).
 * ``bench``: the benchmark harness, ``benchmarks.run.main(argv)``. ``benchmarks/`` is a top-level folder of the
-  source checkout, not part of the installed package: run it from a checkout (editable installs work too).
+  source checkout, not part of the installed package: run it from a checkout (editable installs work too). How to
+  read its numbers: ``benchmarks/README.md``; the results and what each design choice bought:
+  ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Sequence
 
 COMMANDS = {
     "demo": "mixed batch through every kernel, checked against the reference, printed as a table",
-    "bench": "benchmark harness (benchmarks/run.py of a source checkout); `bench --help` for its options",
+    "bench": "benchmark harness of a source checkout (benchmarks/README.md; results: docs/performance.md)",
 }
 
 
@@ -48,19 +51,22 @@ def bench(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pallas_attn import __version__
+
     parser = argparse.ArgumentParser(
         prog="pallas-attn",
         description="Pallas GPU attention kernels for JAX: demo and benchmarks.",
-        epilog="\n".join(f"  {name:<6} {text}" for name, text in COMMANDS.items()),
+        epilog="commands:\n" + "\n".join(f"  {name:<6} {text}" for name, text in COMMANDS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("command", choices=sorted(COMMANDS), help="demo or bench")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    # optional here so that an unknown flag before any command gets argparse's "unrecognized arguments" error
+    parser.add_argument("command", nargs="?", choices=sorted(COMMANDS), help="demo or bench")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="options of the command (COMMAND --help)")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv:
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(argv)
     if args.command == "demo":
         from pallas_attn import demo
 

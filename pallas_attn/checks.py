@@ -12,7 +12,7 @@ Rules (``B`` requests, ``T`` packed rows, ``bs`` = block_size; the kernel's stat
 
 * ``cu_seqlens`` / ``cu_query_lens``: ``[0] == 0``, non-decreasing, ``[-1] <= T``; each length ``<=`` the static
   maximum (``max_seqlen`` / ``max_query_len``).
-* ``context_lens`` / ``seq_lens``: ``>= 0``; ``q_len <= seq_len`` (ragged paged attention).
+* ``seq_lens``: ``>= 0``; ``q_len <= seq_len`` (ragged paged attention).
 * ``block_tables``: wide enough (``cdiv(len, bs) <= max_blocks``) and entries ``[b, :cdiv(len, bs)]`` in
   ``[0, num_blocks)``. Entries past a request's last page are never read, so they may hold anything.
 * ``topk_indices`` (sparse MLA, real tokens only): ``>= -1``; ``< seq_lens[request]`` when the checked wrapper gets
@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from pallas_attn.ops.decode import paged_decode_attention
+from pallas_attn.ops.decode import paged_decode_attention, renamed_argument
 from pallas_attn.core.metadata import token_requests
 from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.varlen import varlen_attention
@@ -133,9 +133,9 @@ def _varlen_rules(a) -> jax.Array:
 
 
 def _decode_rules(a) -> jax.Array:
-    ctx, k_cache = a["context_lens"], a["k_cache"]
-    return (_check_nonneg("context_lens", ctx)
-            & _check_pages(ctx, a["block_tables"], k_cache.shape[0], k_cache.shape[1], "context_lens"))
+    seq_lens, k_cache = a["seq_lens"], a["k_cache"]
+    return (_check_nonneg("seq_lens", seq_lens)
+            & _check_pages(seq_lens, a["block_tables"], k_cache.shape[0], k_cache.shape[1], "seq_lens"))
 
 
 def _paged_rules(a) -> jax.Array:
@@ -207,7 +207,7 @@ class _Spec:
 
 _SPECS: dict[Callable, _Spec] = {
     varlen_attention: _Spec(_varlen_rules, ("q", "k", "v", "cu_seqlens")),
-    paged_decode_attention: _Spec(_decode_rules, ("q", "k_cache", "v_cache", "block_tables", "context_lens")),
+    paged_decode_attention: _Spec(_decode_rules, ("q", "k_cache", "v_cache", "block_tables", "seq_lens")),
     paged_attention: _Spec(_paged_rules, ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_query_lens")),
     sparse_mla_attention: _Spec(_sparse_rules, ("q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens"),
                                 extra=("seq_lens",)),
@@ -272,4 +272,6 @@ def checked(fn: Callable) -> Callable:
         params = list(sig.parameters.values())
         params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in spec.extra]
         wrapper.__signature__ = sig.replace(parameters=params)
+    for old, new in getattr(fn, "renamed_arguments", {}).items():  # the kernel's deprecated names work here too
+        wrapper = renamed_argument(old, new)(wrapper)
     return wrapper

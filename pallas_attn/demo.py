@@ -3,7 +3,7 @@
     python -m pallas_attn demo [--dtype bfloat16|float32] [--seed N] [--repeats N] [--plain]
     pallas-attn demo ...                      (the console script)
 
-What it does, in the order of DESIGN.md §2 (metadata → cache write → kernel → output + LSE → merge):
+What it does, in the order of a serving step (metadata → cache write → kernel → output + LSE → merge):
 
 1. `build_metadata` for one packed batch of the kinds a serving step mixes (`REQUESTS`): decodes, fresh
    prefills, a chunked prefill over a cached prefix, a verification of 6 draft tokens and an empty request.
@@ -240,29 +240,29 @@ def varlen_cases(b: Batch) -> list[Case]:
 
 
 def decode_inputs(b: Batch):
-    """The decode requests (and the empty one, context 0 → output 0) as a decode batch: q [B, Hq, D]."""
+    """The decode requests (and the empty one, seq_len 0 → output 0) as a decode batch: q [B, Hq, D]."""
     picked = b.requests("decode") + b.requests("empty")
-    # The empty request has no query row: give it one (any finite values) and context 0.
+    # The empty request has no query row: give it one (any finite values) and seq_len 0.
     q = jnp.stack([b.q[b.rows(i).start] if b.rows(i).stop > b.rows(i).start else jnp.ones_like(b.q[0])
                    for i in picked])
     tables = jnp.asarray(b.md.block_tables[picked])
-    context_lens = jnp.asarray(b.md.seq_lens[picked])  # decode convention: the new token is counted (seq_lens)
-    return q, tables, context_lens
+    seq_lens = jnp.asarray(b.md.seq_lens[picked])  # every key each query sees, the new token included
+    return q, tables, seq_lens
 
 
 def decode_cases(b: Batch) -> list[Case]:
-    q, tables, context_lens = decode_inputs(b)
+    q, tables, seq_lens = decode_inputs(b)
     shapes = f"{_shape('q', q)} {_shape('cache', b.k_cache)}"
-    ref = lambda: reference.paged_decode_attention(q, b.k_cache, b.v_cache, tables, context_lens)  # noqa: E731
-    ctx = f"ctx {np.asarray(context_lens).tolist()}"
+    ref = lambda: reference.paged_decode_attention(q, b.k_cache, b.v_cache, tables, seq_lens)  # noqa: E731
+    lens = f"seq_lens {np.asarray(seq_lens).tolist()}"
     variants = (
-        (f"{ctx}, num_splits=1", dict(num_splits=1)),
-        (f"{ctx}, num_splits={SPLITS}", dict(num_splits=SPLITS)),
-        (f"{ctx}, split_size={SPLIT_SIZE}", dict(split_size=SPLIT_SIZE)),
+        (f"{lens}, num_splits=1", dict(num_splits=1)),
+        (f"{lens}, num_splits={SPLITS}", dict(num_splits=SPLITS)),
+        (f"{lens}, split_size={SPLIT_SIZE}", dict(split_size=SPLIT_SIZE)),
     )
     return [
         Case("paged_decode_attention", name, shapes,
-             run=lambda kw=kw: pallas_attn.paged_decode_attention(q, b.k_cache, b.v_cache, tables, context_lens, **kw),
+             run=lambda kw=kw: pallas_attn.paged_decode_attention(q, b.k_cache, b.v_cache, tables, seq_lens, **kw),
              ref=ref)
         for name, kw in variants
     ]
@@ -289,11 +289,11 @@ def merge_cases(b: Batch) -> list[Case]:
     The second half reads the same pages through the block table shifted by `MERGE_AT // BLOCK_SIZE` pages; a
     request shorter than `MERGE_AT` has an empty second half (LSE -inf), which the merge must ignore.
     """
-    q, tables, context_lens = decode_inputs(b)
+    q, tables, seq_lens = decode_inputs(b)
     shift = MERGE_AT // BLOCK_SIZE
     tables_hi = jnp.concatenate([tables[:, shift:], jnp.full((tables.shape[0], shift), -1, tables.dtype)], axis=1)
-    lens_lo = jnp.minimum(context_lens, MERGE_AT)
-    lens_hi = context_lens - lens_lo
+    lens_lo = jnp.minimum(seq_lens, MERGE_AT)
+    lens_hi = seq_lens - lens_lo
     states = {}
 
     def halves():
@@ -309,9 +309,9 @@ def merge_cases(b: Batch) -> list[Case]:
         return pallas_attn.merge_attention_states(*halves())
 
     shapes = f"outs[2,{','.join(str(d) for d in q.shape)}] lses[2,{','.join(str(d) for d in q.shape[:2])}]"
-    return [Case("merge_attention_states", f"decode keys [0,{MERGE_AT}) + [{MERGE_AT},ctx)", shapes,
+    return [Case("merge_attention_states", f"decode keys [0,{MERGE_AT}) + [{MERGE_AT},seq_len)", shapes,
                  run=lambda: merge()[0],
-                 ref=lambda: reference.paged_decode_attention(q, b.k_cache, b.v_cache, tables, context_lens),
+                 ref=lambda: reference.paged_decode_attention(q, b.k_cache, b.v_cache, tables, seq_lens),
                  timed=merge)]
 
 
@@ -448,6 +448,17 @@ def describe_batch(b: Batch) -> str:
 # ------------------------------------------------------------------------------------------------ entry point
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a timing needs at least one call)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {value}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     default_dtype = "bfloat16" if backend.on_gpu() else "float32"
     parser = argparse.ArgumentParser(
@@ -457,7 +468,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=default_dtype,
                         help=f"input dtype (default here: {default_dtype}; bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and of the page shuffle")
-    parser.add_argument("--repeats", type=int, default=None,
+    parser.add_argument("--repeats", type=_positive_int, default=None,
                         help="timed calls per case after the warm-up (default 3 interpreted, 20 compiled)")
     parser.add_argument("--plain", action="store_true", help="plain-text table even if rich is installed")
     return parser.parse_args(argv)

@@ -26,7 +26,7 @@ holding fewer heads may choose more segments than one device would (last-bit dif
 **Context parallelism** (:func:`context_parallel_decode`): the paged K/V of long requests is spread over the devices
 of a mesh axis. Each device has its own page pool (``k_cache [n, num_blocks, block_size, Hkv, D]`` sharded on axis
 0), its own block-table slice covering a contiguous, page-aligned range of each request's logical pages
-(``block_tables [n, num_seqs, max_blocks_local]``) and the number of keys it holds per request (``context_lens [n,
+(``block_tables [n, num_seqs, max_blocks_local]``) and the number of keys it holds per request (``seq_lens [n,
 num_seqs]``). Each device runs :func:`pallas_attn.paged_decode_attention` with ``return_lse=True`` on its slice; the
 partial states are then merged across devices, either by an all-gather of ``(out, lse)`` followed by
 :func:`pallas_attn.merge_attention_states` (``merge="all_gather"``, the default: the same fixed-order fold as
@@ -56,13 +56,14 @@ Example (2 host devices on CPU: ``XLA_FLAGS=--xla_force_host_platform_device_cou
     shards = parallel.split_context_pages(tables, lens, block_size=16, n_dev=2)
     kc = parallel.shard_paged_cache(k_cache, shards.page_map)    # [2, local_blocks, 16, 4, 64]
     vc = parallel.shard_paged_cache(v_cache, shards.page_map)
-    out_cp = parallel.context_parallel_decode(q, kc, vc, shards.block_tables, shards.context_lens, mesh=cp)
+    out_cp = parallel.context_parallel_decode(q, kc, vc, shards.block_tables, shards.seq_lens, mesh=cp)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -70,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_attn.ops.decode import paged_decode_attention
+from pallas_attn.ops.decode import paged_decode_attention, renamed_argument
 from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.varlen import varlen_attention
 from pallas_attn.ops.merge import merge_attention_states
@@ -101,7 +102,7 @@ def tensor_parallel_specs(kernel: Callable, axis: str = "tp", *, with_cu_query_l
     rep = P()
     if kernel is varlen_attention:  # q, k, v, cu_seqlens
         return (heads, heads, heads, rep), heads
-    if kernel is paged_decode_attention:  # q, k_cache, v_cache, block_tables, context_lens
+    if kernel is paged_decode_attention:  # q, k_cache, v_cache, block_tables, seq_lens
         return (heads, cache, cache, rep, rep), heads
     if kernel is paged_attention:  # q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens
         return (heads, cache, cache, rep, rep, rep), heads
@@ -197,9 +198,10 @@ def cross_device_merge(out, lse, axis: str, *, merge: str = "all_gather"):
     return merged, jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, den)))
 
 
+@renamed_argument("context_lens", "seq_lens")
 @functools.partial(jax.jit, static_argnames=("mesh", "axis", "merge", "softmax_scale", "num_splits", "split_size",
                                              "return_lse", "interpret", "config"))
-def context_parallel_decode(q, k_cache, v_cache, block_tables, context_lens, *, mesh: Mesh, axis: str = "cp",
+def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, *, mesh: Mesh, axis: str = "cp",
                             merge: str = "all_gather", softmax_scale: float | None = None,
                             num_splits: int | None = None, split_size: int | None = None, return_lse: bool = False,
                             interpret: bool | None = None, config=None):
@@ -211,7 +213,8 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, context_lens, *, 
         ``k_cache[d]`` (shard the arrays on axis 0; :func:`shard_paged_cache` builds them).
       block_tables: ``i32[n, num_seqs, max_blocks_local]``: row ``[d, b]`` lists, in order, the pages (ids in device
         ``d``'s pool) of device ``d``'s contiguous slice of request ``b``'s context.
-      context_lens: ``i32[n, num_seqs]`` keys of request ``b`` held on device ``d`` (0 allowed).
+      seq_lens: ``i32[n, num_seqs]`` keys of request ``b`` held on device ``d`` (0 allowed). Its former name
+        ``context_lens=`` still works for one release, with a ``DeprecationWarning``.
       mesh, axis: the mesh and its context-parallel axis (size ``n``).
       merge: ``"all_gather"`` (gather ``n`` partial ``(out, lse)``, then :func:`pallas_attn.merge_attention_states`
         on every device) or ``"psum"`` (``pmax`` + two ``psum`` s of rescaled partials).
@@ -225,7 +228,7 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, context_lens, *, 
     """
     n = mesh.shape[axis]
     for name, x, rank in (("k_cache", k_cache, 5), ("v_cache", v_cache, 5), ("block_tables", block_tables, 3),
-                          ("context_lens", context_lens, 2)):
+                          ("seq_lens", seq_lens, 2)):
         if x.ndim != rank or x.shape[0] != n:
             raise ValueError(f"{name} must have a leading device axis of size {n} (mesh axis {axis!r}) and rank "
                              f"{rank}; got {tuple(x.shape)}")
@@ -234,14 +237,14 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, context_lens, *, 
     kernel = functools.partial(paged_decode_attention, softmax_scale=softmax_scale, num_splits=num_splits,
                                split_size=split_size, return_lse=True, interpret=interpret, config=config)
 
-    def local(q, kc, vc, bt, cl):
-        out, lse = kernel(q, kc[0], vc[0], bt[0], cl[0])  # this device's slice: a partial state
+    def local(q, kc, vc, bt, lens):
+        out, lse = kernel(q, kc[0], vc[0], bt[0], lens[0])  # this device's slice: a partial state
         merged, m_lse = cross_device_merge(out, lse, axis, merge=merge)
         return merged.astype(q.dtype), m_lse
 
     shard = P(axis)
     in_specs = (P(), shard, shard, shard, shard)
-    args = _placed(mesh, axis, (q, k_cache, v_cache, block_tables, context_lens), in_specs)
+    args = _placed(mesh, axis, (q, k_cache, v_cache, block_tables, seq_lens), in_specs)
     out, lse = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), check_vma=False)(*args)
     return (out, lse) if return_lse else out
 
@@ -252,28 +255,39 @@ class ContextShards:
     """Per-device inputs of :func:`context_parallel_decode`, built by :func:`split_context_pages`.
 
     block_tables: ``i32[n, num_seqs, max_blocks_local]`` page ids in each device's own pool (padding ``-1``).
-    context_lens: ``i32[n, num_seqs]`` keys of each request held by each device.
+    seq_lens: ``i32[n, num_seqs]`` keys of each request held by each device (``context_lens``: its former name,
+      kept one release as a property that warns).
     page_map: ``i32[n, num_blocks_local]`` global page id of each local page (``-1``: unused pool slot).
     starts: ``i32[n, num_seqs]`` first global position of each device's slice (for checks and reporting).
     """
     block_tables: np.ndarray
-    context_lens: np.ndarray
+    seq_lens: np.ndarray
     page_map: np.ndarray
     starts: np.ndarray
 
+    @property
+    def context_lens(self) -> np.ndarray:
+        """Deprecated alias of :attr:`seq_lens`."""
+        warnings.warn("ContextShards.context_lens is deprecated, read ContextShards.seq_lens (the same array); "
+                      "context_lens will be removed in the next release", DeprecationWarning, stacklevel=2)
+        return self.seq_lens
 
-def split_context_pages(block_tables, context_lens, block_size: int, n_dev: int) -> ContextShards:
+
+@renamed_argument("context_lens", "seq_lens")
+def split_context_pages(block_tables, seq_lens, block_size: int, n_dev: int) -> ContextShards:
     """Cut each request's logical pages into ``n_dev`` contiguous, page-aligned chunks (host side, numpy).
 
-    Request ``b`` with ``P = ceil(context_lens[b] / block_size)`` pages gives device ``d`` pages
-    ``[s_d, s_{d+1})`` with chunk sizes as even as possible, the larger chunks first (``np.array_split``); a request of
-    fewer than ``n_dev`` pages leaves the last devices with 0 keys, and context 0 leaves every device empty. Each
-    device's pool holds the distinct global pages its chunks use (shared prefix pages stay shared), in first-use order.
+    ``seq_lens`` (``i32[num_seqs]``) counts every key of each request, as :func:`pallas_attn.paged_decode_attention`'s;
+    its former name ``context_lens=`` still works for one release, with a ``DeprecationWarning``. Request ``b`` with
+    ``P = ceil(seq_lens[b] / block_size)`` pages gives device ``d`` pages ``[s_d, s_{d+1})`` with chunk sizes as even
+    as possible, the larger chunks first (``np.array_split``); a request of fewer than ``n_dev`` pages leaves the last
+    devices with 0 keys, and length 0 leaves every device empty. Each device's pool holds the distinct global pages
+    its chunks use (shared prefix pages stay shared), in first-use order.
     """
     tables = np.asarray(block_tables)
-    lens = np.asarray(context_lens).astype(np.int64)
+    lens = np.asarray(seq_lens).astype(np.int64)
     if tables.ndim != 2 or lens.shape != (tables.shape[0],):
-        raise ValueError(f"block_tables must be [num_seqs, max_blocks] and context_lens [num_seqs]; got "
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks] and seq_lens [num_seqs]; got "
                          f"{tables.shape} and {lens.shape}")
     if n_dev < 1:
         raise ValueError(f"{n_dev=} must be >= 1")

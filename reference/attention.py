@@ -5,7 +5,7 @@ are not jittable, except `merge_attention_states`), requests are handled one at 
 are gathered with plain indexing, all math is float32 with matmuls at `Precision.HIGHEST` (no TF32 on GPU), and
 every mask is built from absolute key / query positions. Nothing here imports a kernel.
 
-Shared conventions (see DESIGN.md section 3):
+Shared conventions (docs/design.md#conventions):
   * GQA: query head `h` uses kv head `h // (num_q_heads // num_kv_heads)`.
   * `softmax_scale=None` means `1 / sqrt(head_dim)` of the query (sparse MLA: `1 / sqrt(576)`).
   * Outputs are float32. With `return_lse=True` the functions return `(out, lse)`, where `lse` (float32) is the
@@ -21,6 +21,7 @@ Shared conventions (see DESIGN.md section 3):
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -148,31 +149,41 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen=None, causal=True, softm
     return _finish(out, lse, return_lse)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None, num_splits=None,
-                           split_size=None, return_lse=False, interpret=None):
-    """One query per request over its paged KV cache; the query sees every one of its `context_lens[b]` keys.
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, softmax_scale=None, num_splits=None,
+                           split_size=None, return_lse=False, interpret=None, context_lens=None):
+    """One query per request over its paged KV cache; the query sees every one of its `seq_lens[b]` keys (its own
+    included, as in `paged_attention`).
 
     q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: i32[B, max_blocks];
-    context_lens: i32[B].
+    seq_lens: i32[B] (`context_lens=`: its former name, deprecated, warns).
     Key position p of request b lives at cache[block_tables[b, p // block_size], p % block_size]. Only the first
-    cdiv(context_lens[b], block_size) table entries are read. context_lens[b] == 0 gives zeros and lse -inf.
+    cdiv(seq_lens[b], block_size) table entries are read. seq_lens[b] == 0 gives zeros and lse -inf.
     Returns out f32[B, Hq, D] (and lse f32[B, Hq]). `num_splits`, `split_size`, `interpret` are ignored.
     """
     del num_splits, split_size, interpret
+    if context_lens is not None:
+        if seq_lens is not None:
+            raise TypeError("paged_decode_attention() got both seq_lens and its deprecated alias context_lens=; "
+                            "pass seq_lens only")
+        warnings.warn("paged_decode_attention(): context_lens= is deprecated, pass seq_lens= (the same values)",
+                      DeprecationWarning, stacklevel=2)
+        seq_lens = context_lens
+    if seq_lens is None:
+        raise TypeError("paged_decode_attention() missing required argument: 'seq_lens'")
     num_seqs, num_q_heads, head_dim = q.shape
     _check_gqa(num_q_heads, k_cache.shape[2])
-    tables, ctx = np.asarray(block_tables), np.asarray(context_lens).astype(np.int64)
+    tables, lens = np.asarray(block_tables), np.asarray(seq_lens).astype(np.int64)
     scale = _scale(softmax_scale, head_dim)
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
 
     out, lse = _empty_result(num_seqs, num_q_heads, v_cache.shape[-1])
     for b in range(num_seqs):
-        if ctx[b] == 0:
+        if lens[b] == 0:
             continue
-        positions = np.arange(ctx[b])
-        k = _gather_positions(k_cache, tables[b], positions)  # [ctx, Hkv, D]
+        positions = np.arange(lens[b])
+        k = _gather_positions(k_cache, tables[b], positions)  # [seq_len, Hkv, D]
         v = _gather_positions(v_cache, tables[b], positions)
-        o, l = _attend(q[b:b + 1], k, v, np.ones((1, ctx[b]), bool), scale)
+        o, l = _attend(q[b:b + 1], k, v, np.ones((1, lens[b]), bool), scale)
         out[b], lse[b] = np.asarray(o[0]), np.asarray(l[0])
     return _finish(out, lse, return_lse)
 

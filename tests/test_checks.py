@@ -41,7 +41,7 @@ def _decode(rng):
     kc, vc, bt = make_paged_kv(rng, [5, 0, 17], BS, 1, 16, jnp.float32)
     q = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
     return (paged_decode_attention, dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt,
-                                         context_lens=jnp.array([5, 0, 17], jnp.int32)),
+                                         seq_lens=jnp.array([5, 0, 17], jnp.int32)),
             dict(num_splits=2, config=DECODE))
 
 
@@ -84,10 +84,10 @@ BAD = {
                                    r"cu_seqlens\[-1\]=13 must be <= num_tokens=12"),
     "seqlen_over_max_seqlen": ("varlen", dict(cu_seqlens=lambda a: jnp.array([0, 9, 9, 10], jnp.int32)), {},
                                r"request 0 has length 9 .* > max_seqlen=8"),
-    "context_lens_negative": ("decode", dict(context_lens=lambda a: _set(a, 1, -3)), {},
-                              r"context_lens must be >= 0; context_lens\[1\]=-3"),
+    "decode_seq_lens_negative": ("decode", dict(seq_lens=lambda a: _set(a, 1, -3)), {},
+                                 r"seq_lens must be >= 0; seq_lens\[1\]=-3"),
     "decode_table_too_narrow": ("decode", dict(block_tables=lambda a: a[:, :3]), {},
-                                r"too narrow: request 2 has context_lens=17, which needs 5 pages .* max_blocks=3"),
+                                r"too narrow: request 2 has seq_lens=17, which needs 5 pages .* max_blocks=3"),
     "decode_page_negative": ("decode", dict(block_tables=lambda a: _set(a, (2, 4), -1)), {},
                              r"block_tables\[2, 4\]=-1 is not a page id in \[0, num_blocks=\d+\)"),
     "decode_page_past_pool": ("decode", dict(block_tables=lambda a: _set(a, (0, 1), 10**6)), {},
@@ -154,6 +154,19 @@ def test_bad_value_inside_callers_jit(rng):
     with pytest.raises(ValueError, match=r"block_tables\[2, 4\]=-1 is not a page id"):
         err.throw()
     assert np.all(np.asarray(out) == 0)
+
+
+def test_decode_context_lens_alias(rng):
+    """The decode kernel's former argument name ``context_lens=`` works through ``checked`` too: it warns, the
+    rules check it (under its new name) and the output is the kernel's."""
+    fn, arrays, statics = BUILDERS["decode"](rng)
+    want = fn(**arrays, **statics)
+    lens = arrays.pop("seq_lens")
+    with pytest.warns(DeprecationWarning, match="pass seq_lens="):
+        got = checked(fn)(**arrays, context_lens=lens, **statics)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.warns(DeprecationWarning), pytest.raises(CheckError, match=r"seq_lens\[1\]=-3"):
+        checked(fn)(**arrays, context_lens=_set(lens, 1, -3), **statics)
 
 
 def test_signature_and_unknown_function():

@@ -8,11 +8,12 @@ import pytest
 
 from pallas_attn import DecodeConfig, merge_attention_states, paged_decode_attention, reference
 from pallas_attn.core import config as config_lib
+from pallas_attn.ops import decode as decode_ops
 from pallas_attn.testing import assert_attention_close, make_paged_kv
 
 SMALL = DecodeConfig(block_n=16)
 
-# name: (context_lens, block_size, num_q_heads, num_kv_heads, head_dim, dtype, split kwargs)
+# name: (seq_lens, block_size, num_q_heads, num_kv_heads, head_dim, dtype, split kwargs)
 SCENARIOS = {
     "edges_bs16_single": ([1, 0, 15, 16, 17, 80], 16, 4, 4, 64, jnp.float32, dict(num_splits=1)),
     "edges_bs16_splits3": ([1, 0, 15, 16, 17, 80], 16, 4, 4, 64, jnp.float32, dict(num_splits=3)),
@@ -98,7 +99,7 @@ def test_merge_attention_states_empty_splits(rng):
 @pytest.mark.parametrize("kw, match", [
     (dict(num_splits=2, split_size=32), "not both"),
     (dict(split_size=24), "multiple of the KV tile"),
-    (dict(ctx_dtype=jnp.int16), "context_lens must be int32"),
+    (dict(ctx_dtype=jnp.int16), "seq_lens must be int32"),
     (dict(bs=3), "block_size=3"),
 ])
 def test_bad_input_raises(kw, match):
@@ -109,6 +110,30 @@ def test_bad_input_raises(kw, match):
     cl = jnp.ones((2,), kw.pop("ctx_dtype", jnp.int32))
     with pytest.raises((ValueError, TypeError), match=match):
         paged_decode_attention(q, kc, kc, bt, cl, config=SMALL, **kw)
+
+
+def test_context_lens_alias(rng, monkeypatch):
+    """``context_lens=``, the former name of ``seq_lens``, works for one release: it warns (naming ``seq_lens``), gives
+    the identical output and reuses the program compiled for positional calls; giving both raises."""
+    traced = []
+    validate = decode_ops._validate  # runs once per trace, never per call
+    monkeypatch.setattr(decode_ops, "_validate", lambda *args: traced.append(1) or validate(*args))
+    q, kc, vc, bt, lens = _inputs(rng, [33, 0, 7], 16, 4, 2, 64, jnp.float32)
+    want = np.asarray(paged_decode_attention(q, kc, vc, bt, lens, num_splits=2, config=SMALL))
+    traces = len(traced)
+    with pytest.warns(DeprecationWarning, match="context_lens= is deprecated, pass seq_lens="):
+        got = np.asarray(paged_decode_attention(q, kc, vc, bt, context_lens=lens, num_splits=2, config=SMALL))
+    np.testing.assert_array_equal(got, want)
+    assert len(traced) == traces  # no new trace, no recompile
+    for both in (dict(seq_lens=lens, context_lens=lens), dict(context_lens=lens)):
+        args = (q, kc, vc, bt) if "seq_lens" in both else (q, kc, vc, bt, lens)
+        with pytest.raises(TypeError, match="got both seq_lens and its deprecated alias context_lens="):
+            paged_decode_attention(*args, **both)
+    with pytest.warns(DeprecationWarning, match="pass seq_lens="):
+        ref = reference.paged_decode_attention(q, kc, vc, bt, context_lens=lens)
+    np.testing.assert_array_equal(ref, reference.paged_decode_attention(q, kc, vc, bt, lens))
+    with pytest.raises(TypeError, match="got both seq_lens and its deprecated alias context_lens="):
+        reference.paged_decode_attention(q, kc, vc, bt, lens, context_lens=lens)
 
 
 @pytest.mark.gpu

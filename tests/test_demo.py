@@ -6,6 +6,7 @@ the benchmark module for fakes, so they cost no kernel call.
 
 from __future__ import annotations
 
+import re
 import types
 
 import jax.numpy as jnp
@@ -88,3 +89,44 @@ def test_cli_rejects_unknown_commands(capsys):
         cli.main(["serve"])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_cli_version(capsys):
+    import pallas_attn
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pallas-attn {pallas_attn.__version__}"
+
+
+@pytest.mark.parametrize("argv, prog", [(["--bogus"], "pallas-attn"), (["--bogus", "demo"], "pallas-attn"),
+                                        (["demo", "--bogus"], "pallas-attn demo")])
+def test_cli_rejects_unknown_flags(argv, prog, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert f"{prog}: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_cli_without_a_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage: pallas-attn" in err and "demo" in err and "bench" in err
+
+
+@pytest.mark.parametrize("repeats", ["0", "-3", "two"])
+def test_demo_rejects_repeats_below_one(repeats, capsys, monkeypatch):
+    monkeypatch.setattr(demo, "build_batch", lambda *a: pytest.fail("the demo ran past its argument check"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--repeats", repeats])
+    assert exit_info.value.code == 2
+    assert "argument --repeats: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_cli_help_points_at_the_benchmark_documents(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    cited = re.findall(r"[\w./-]+\.md", capsys.readouterr().out)
+    assert sorted(set(cited)) == ["benchmarks/README.md", "docs/performance.md"]

@@ -131,30 +131,30 @@ def _cp_case(rng, ctx, dtype=jnp.float32, bs=16):
     kc2 = parallel.shard_paged_cache(kc, shards.page_map, mesh=mesh, axis="cp")
     vc2 = parallel.shard_paged_cache(vc, shards.page_map, mesh=mesh, axis="cp")
     return (q, kc, vc, tables, lens), shards, (q, kc2, vc2, jnp.asarray(shards.block_tables),
-                                                jnp.asarray(shards.context_lens)), mesh
+                                                jnp.asarray(shards.seq_lens)), mesh
 
 
 def check_split_context_pages(rng):
     ctx = [70, 5, 0, 16, 17, 200]
     tables = np.arange(len(ctx) * 16).reshape(len(ctx), 16)
     s = parallel.split_context_pages(tables, ctx, 16, 2)
-    np.testing.assert_array_equal(s.context_lens.sum(0), ctx)  # every key on exactly one device
-    np.testing.assert_array_equal(s.context_lens, [[48, 5, 0, 16, 16, 112], [22, 0, 0, 0, 1, 88]])
+    np.testing.assert_array_equal(s.seq_lens.sum(0), ctx)  # every key on exactly one device
+    np.testing.assert_array_equal(s.seq_lens, [[48, 5, 0, 16, 16, 112], [22, 0, 0, 0, 1, 88]])
     np.testing.assert_array_equal(s.starts[1], [48, 16, 0, 16, 16, 112])
     for d in range(2):  # local tables map back to the right global pages, in order
         for b, n in enumerate(ctx):
-            pages = -(-int(s.context_lens[d, b]) // 16)
+            pages = -(-int(s.seq_lens[d, b]) // 16)
             first = int(s.starts[d, b]) // 16
             np.testing.assert_array_equal(s.page_map[d][s.block_tables[d, b, :pages]], tables[b, first:first + pages])
     s4 = parallel.split_context_pages(tables, ctx, 16, 4)
-    np.testing.assert_array_equal(s4.context_lens.sum(0), ctx)
-    assert (s4.context_lens[:, 1] == [5, 0, 0, 0]).all()
+    np.testing.assert_array_equal(s4.seq_lens.sum(0), ctx)
+    assert (s4.seq_lens[:, 1] == [5, 0, 0, 0]).all()
 
 
 def check_cp_decode(rng):
     ctx = [70, 5, 0, 16, 17, 200]  # 5 / 16: fit on device 0 (device 1 has 0 keys); 0: both empty
     glob, shards, local, mesh = _cp_case(rng, ctx)
-    assert (shards.context_lens[1][[1, 2, 3]] == 0).all() and shards.context_lens[1][4] == 1
+    assert (shards.seq_lens[1][[1, 2, 3]] == 0).all() and shards.seq_lens[1][4] == 1
     one, one_lse = paged_decode_attention(*glob, num_splits=1, return_lse=True, config=SMALL)
     ref, ref_lse = reference.paged_decode_attention(*glob, return_lse=True)
     for merge, split in (("all_gather", dict(num_splits=1)), ("all_gather", dict(num_splits=2)), ("all_gather", {}),
@@ -238,6 +238,32 @@ def test_rejects_bad_inputs():
     mesh = jax.make_mesh((1,), ("tp",))
     f = parallel.tensor_parallel(paged_decode_attention, mesh, "tp")
     assert f.__name__ == "tensor_parallel_paged_decode_attention"
+
+
+def test_context_lens_aliases_warn(rng):
+    """``context_lens``, the former name of ``seq_lens``, still works for one release: it warns, naming the new
+    name, and gives the same result; passing both raises."""
+    lens = [40, 3, 0]
+    q, kc, vc, tables, seq_lens = _decode_inputs(rng, lens, hq=4, hkv=2)
+    shards = parallel.split_context_pages(tables, seq_lens, 16, 1)
+    with pytest.warns(DeprecationWarning, match="pass seq_lens="):
+        old = parallel.split_context_pages(tables, context_lens=seq_lens, block_size=16, n_dev=1)
+    np.testing.assert_array_equal(old.seq_lens, shards.seq_lens)
+    with pytest.warns(DeprecationWarning, match="read ContextShards.seq_lens"):
+        np.testing.assert_array_equal(shards.context_lens, shards.seq_lens)
+    with pytest.raises(TypeError, match="both seq_lens and its deprecated alias context_lens="):
+        parallel.split_context_pages(tables, seq_lens, 16, 1, context_lens=seq_lens)
+
+    mesh = jax.make_mesh((1,), ("cp",))
+    local = (q, parallel.shard_paged_cache(kc, shards.page_map), parallel.shard_paged_cache(vc, shards.page_map),
+             jnp.asarray(shards.block_tables))
+    lens1 = jnp.asarray(shards.seq_lens)
+    new = parallel.context_parallel_decode(*local, lens1, mesh=mesh, config=SMALL)
+    with pytest.warns(DeprecationWarning, match="pass seq_lens="):
+        old = parallel.context_parallel_decode(*local, context_lens=lens1, mesh=mesh, config=SMALL)
+    np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
+    with pytest.raises(TypeError, match="both seq_lens and its deprecated alias context_lens="):
+        parallel.context_parallel_decode(*local, lens1, context_lens=lens1, mesh=mesh)
 
 
 if __name__ == "__main__":

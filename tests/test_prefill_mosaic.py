@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_attn import PrefillConfig, reference, varlen_attention
+from pallas_attn import DecodeConfig, MosaicPrefillConfig, PrefillConfig, reference, varlen_attention
 from pallas_attn.testing import assert_attention_close, random_packed
 
 from .test_lowering import _lower
@@ -129,29 +129,62 @@ def test_unsupported_inputs_raise(kw, shapes, match):
         varlen_attention(q, k, k, cu, max_seqlen=8, **{"backend": "mosaic", **kw})
 
 
-def test_config_is_triton_only():
+@pytest.mark.parametrize("backend, config, match", [
+    ("mosaic", PrefillConfig(), "config must be a MosaicPrefillConfig for backend='mosaic'; got PrefillConfig"),
+    ("triton", MosaicPrefillConfig(), "config must be a PrefillConfig for backend='triton'; got MosaicPrefillConfig"),
+    (None, DecodeConfig(), r"config must be a PrefillConfig \(backend='triton'\) or MosaicPrefillConfig "
+                           r"\(backend='mosaic'\); got DecodeConfig"),
+    (None, "fast", "config must be a PrefillConfig .*; got str"),
+])
+def test_config_of_another_backend_raises(backend, config, match):
     q, k = jnp.zeros((8, 4, 64), jnp.bfloat16), jnp.zeros((8, 2, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="config= tunes the Triton kernel"):
-        varlen_attention(q, k, k, jnp.asarray([0, 8], jnp.int32), max_seqlen=8, backend="mosaic",
-                         config=PrefillConfig())
+    with pytest.raises(TypeError, match=match):
+        varlen_attention(q, k, k, jnp.asarray([0, 8], jnp.int32), max_seqlen=8, backend=backend, config=config)
 
 
-@pytest.mark.parametrize("head_dim, causal, return_lse, num_tokens, knobs",
-                         [(128, True, True, 8192, {}), (64, False, False, 8195, {}),  # 8195: not whole 8-row groups
-                          (128, True, False, 8192, {"p_chunks": 4}),  # P in column blocks: wgmma-layout slices
-                          (128, True, False, 8192, {"p_chunks": 1})])  # P whole, one softmax_update
-def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, knobs):
+def test_mosaic_config_selects_the_mosaic_backend():
+    """``backend=None`` with a MosaicPrefillConfig runs the Mosaic kernel (here: refuses float32, as it does)."""
+    q, k = jnp.zeros((8, 4, 64), jnp.float32), jnp.zeros((8, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="backend='mosaic' does not support dtype float32"):
+        varlen_attention(q, k, k, jnp.asarray([0, 8], jnp.int32), max_seqlen=8, config=MosaicPrefillConfig())
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(block_kv=96), r"block_kv=96 must be a power of two in \[64, 256\]"),
+    (dict(block_kv=512), r"block_kv=512 must be a power of two in \[64, 256\]"),
+    (dict(max_concurrent_steps=1), r"max_concurrent_steps=1 must be in \[2, 8\]"),
+    (dict(p_chunks=1), r"p_chunks=1 must be a power of two in \[2, 16\]"),
+    (dict(block_kv=64, p_chunks=16), r"p_chunks=16 must be a power of two in \[2, 8\]"),
+])
+def test_bad_mosaic_config_raises(kw, match):
+    with pytest.raises(ValueError, match=match):
+        MosaicPrefillConfig(**kw)
+
+
+def test_config_past_shared_memory_raises():
+    """Three 128-key K/V slots and the three warpgroups' Q/O outgrow the 227 KB at head dim 128."""
+    q, k = jnp.zeros((8, 4, 128), jnp.bfloat16), jnp.zeros((8, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"config=MosaicPrefillConfig\(.*max_concurrent_steps=3.*\) needs 245760 "
+                                         r"bytes of shared memory at head_dim=128"):
+        varlen_attention(q, k, k, jnp.asarray([0, 8], jnp.int32), max_seqlen=8,
+                         config=MosaicPrefillConfig(max_concurrent_steps=3))
+
+
+@pytest.mark.parametrize("head_dim, causal, return_lse, num_tokens, config", [
+    (128, True, True, 8192, None), (64, False, False, 8195, None),  # 8195: not whole 8-row groups
+    (128, True, False, 8192, MosaicPrefillConfig(p_chunks=4)),  # P in 32-column blocks: wgmma-layout slices
+    (128, True, False, 8192, MosaicPrefillConfig(block_kv=64, max_concurrent_steps=4)),
+    (64, True, True, 8192, MosaicPrefillConfig(block_kv=256)),  # wgmma's widest N
+    (64, True, False, 8192, MosaicPrefillConfig(max_concurrent_steps=3)),  # fits beside 64-wide heads
+])
+def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, config):
     """The compiled path's lowering (wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked without a GPU at a
     P1-sized shape: what the interpreter does not exercise (tiling/alignment proofs, layouts) fails here."""
-    from pallas_attn.kernels.mosaic import prefill as prefill_mosaic
     s = jax.ShapeDtypeStruct
     args = (s((num_tokens, 32, head_dim), jnp.bfloat16), s((num_tokens, 8, head_dim), jnp.bfloat16),
             s((num_tokens, 8, head_dim), jnp.bfloat16), s((17,), jnp.int32))
     f = functools.partial(varlen_attention, max_seqlen=4096, causal=causal, return_lse=return_lse, interpret=False,
-                          backend="mosaic")
-    if knobs:  # the probe's knobs, not in the public signature
-        f = functools.partial(prefill_mosaic.varlen_attention_mosaic, max_seqlen=4096, causal=causal,
-                              scale=head_dim ** -0.5, return_lse=return_lse, interpret=False, **knobs)
+                          backend="mosaic", config=config)
     text = _lower(f, *args)  # an abstract H200: the staging copy is a Triton kernel, which needs its sm version
     assert "mosaic_gpu" in text
 
@@ -173,7 +206,8 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, knobs):
     (False, False, jnp.bfloat16, 128, 8192, 29184, "triton"),  # not sm_90
 ])
 def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, max_seqlen, num_tokens, expected):
-    """``backend=None`` picks the kernel measured faster on the H200 for the shape (benchmarks/NOTES.md)."""
+    """``backend=None`` picks the kernel measured faster on the H200 for the shape
+    (docs/performance.md#prefill-backend-rule)."""
     from pallas_attn.core import backend
     from pallas_attn.ops import varlen as prefill
     monkeypatch.setattr(backend, "is_hopper", lambda: hopper)
@@ -183,31 +217,31 @@ def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, m
 
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=12), extra=st.integers(0, 40),
-       causal=st.booleans(), group=st.sampled_from([1, 2, 3, 4, 8]), compute_wgs=st.sampled_from([2, 3]))
-def test_work_list_covers_every_item_once(lens, extra, causal, group, compute_wgs):
-    """The static work list holds every (request, tile, head) item exactly once, in programs of ``compute_wgs``
+       causal=st.booleans(), group=st.sampled_from([1, 2, 3, 4, 8]))
+def test_work_list_covers_every_item_once(lens, extra, causal, group):
+    """The static work list holds every (request, tile, head) item exactly once, in programs of ``COMPUTE_WGS``
     consecutive items of one request, heaviest program first, unused slots last (-1); ``slot`` inverts the order
     (the LSE gather relies on it)."""
-    from pallas_attn.kernels.mosaic.prefill import BLOCK_Q, ROW_ALIGN, _work_list, num_work_slots
+    from pallas_attn.kernels.mosaic.prefill import BLOCK_Q, COMPUTE_WGS, ROW_ALIGN, _work_list, num_work_slots
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = int(cu[-1]) + extra
     max_seqlen = max(lens)
-    num_slots = num_work_slots(num_tokens, len(lens), max_seqlen, group, compute_wgs)
+    num_slots = num_work_slots(num_tokens, len(lens), max_seqlen, group)
     req, first, slot, cu_programs, tiles = (np.asarray(x) for x in _work_list(
-        jnp.asarray(cu), num_slots, causal, max_seqlen, group, compute_wgs))
+        jnp.asarray(cu), num_slots, causal, max_seqlen, group))
     shifts = cu[:-1] % ROW_ALIGN
     np.testing.assert_array_equal(tiles, [-(-(n + s) // BLOCK_Q) if n else 0 for n, s in zip(lens, shifts)])
     used = req >= 0
     assert not used[used.sum():].any()  # unused slots at the end
     items = [(b, i) for b, f in zip(req[used].tolist(), first[used].tolist())
-             for i in range(f, min(f + compute_wgs, tiles[b] * group))]
+             for i in range(f, min(f + COMPUTE_WGS, tiles[b] * group))]
     assert sorted(items) == [(b, i) for b in range(len(lens)) for i in range(tiles[b] * group)]
-    keys = [min(-(-min(f + compute_wgs, tiles[b] * group) // group) * BLOCK_Q - shifts[b], lens[b]) if causal
+    keys = [min(-(-min(f + COMPUTE_WGS, tiles[b] * group) // group) * BLOCK_Q - shifts[b], lens[b]) if causal
             else lens[b] for b, f in zip(req[used], first[used])]
     assert keys == sorted(keys, reverse=True)
     for b in range(len(lens)):
         for c in range(cu_programs[b + 1] - cu_programs[b]):
-            assert (req[slot[cu_programs[b] + c]], first[slot[cu_programs[b] + c]]) == (b, c * compute_wgs)
+            assert (req[slot[cu_programs[b] + c]], first[slot[cu_programs[b] + c]]) == (b, c * COMPUTE_WGS)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -241,35 +275,17 @@ def test_staged_windows_hold_every_window_not_read_in_place(lens, extra, block_k
 
 
 @pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
-def test_two_compute_warpgroups(rng):
-    """``compute_wgs=2`` (the tuning knob the probe compares against): the same items, two to a program."""
-    from pallas_attn.core import backend
-    from pallas_attn.kernels.mosaic import prefill as prefill_mosaic
-    lens = [130, 1, 70]
-    q, k, v, cu = _inputs(rng, lens, 6, 2, 64, jnp.bfloat16)
-    out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=True,
-                                                      scale=64 ** -0.5, return_lse=True,
-                                                      interpret=backend.resolve_interpret(None),
-                                                      compute_wgs=2)
-    ref_out, ref_lse = reference.varlen_attention(q, k, v, cu, return_lse=True)
-    n = sum(lens)
-    assert_attention_close(out, ref_out, dtype=jnp.bfloat16, valid_rows=n)
-    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
-@pytest.mark.parametrize("p_chunks", [1, 4])
-def test_p_chunks(rng, p_chunks):
-    """``p_chunks`` other than the default 2 (a probe knob): 1, the step's exponentials packed to bf16 at once
-    (``softmax_update``); 4, packed a 32-column block at a time. Masked diagonal tiles and a request shorter than a
-    block included."""
-    from pallas_attn.core import backend
-    from pallas_attn.kernels.mosaic import prefill as prefill_mosaic
+@pytest.mark.parametrize("config", [
+    MosaicPrefillConfig(p_chunks=4),  # P packed a 32-column block at a time
+    MosaicPrefillConfig(block_kv=64, max_concurrent_steps=3),  # causal requests of many K/V steps, a deeper ring
+    MosaicPrefillConfig(block_kv=256, p_chunks=4),  # a request shorter than one K/V window
+], ids=["p_chunks4", "bkv64_mcs3", "bkv256"])
+def test_configs(rng, config):
+    """Configs other than the default: the same results. Masked diagonal tiles, K/V windows read in place and
+    staged (requests start at 0, 130 and 131), and a request shorter than a block included."""
     lens = [130, 1, 70]
     q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16)
-    out, lse = prefill_mosaic.varlen_attention_mosaic(q, k, v, cu, max_seqlen=max(lens), causal=True,
-                                                      scale=64 ** -0.5, return_lse=True,
-                                                      interpret=backend.resolve_interpret(None), p_chunks=p_chunks)
+    out, lse = varlen_attention(q, k, v, cu, max_seqlen=max(lens), return_lse=True, config=config)
     ref_out, ref_lse = reference.varlen_attention(q, k, v, cu, return_lse=True)
     n = sum(lens)
     assert_attention_close(out, ref_out, dtype=jnp.bfloat16, valid_rows=n)

@@ -59,18 +59,30 @@ def is_hopper() -> bool:
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
-def select_backend(backend: str | None, *, config, default, mosaic_unsupported) -> str:
+def select_backend(backend: str | None, *, config, default, mosaic_unsupported, config_types=None) -> str:
     """The ``backend=`` argument of a kernel with a Mosaic GPU twin, resolved and checked at trace time.
 
-    ``None`` → ``default()`` unless a Triton ``config`` was given (it tunes only the Triton kernel). An explicit
-    ``"mosaic"`` with a ``config``, or where ``mosaic_unsupported()`` gives a reason, raises ``ValueError``."""
+    ``config_types`` maps each backend to the config class it takes (e.g. ``{"triton": PrefillConfig, "mosaic":
+    MosaicPrefillConfig}``): a ``config`` picks the backend of its class when ``backend`` is None and must be of the
+    chosen backend's class, else ``TypeError``. Without ``config_types`` only the Triton kernel takes a config:
+    ``None`` → ``default()`` unless a config was given (then "triton"), and ``"mosaic"`` with one raises
+    ``ValueError``. ``"mosaic"`` where ``mosaic_unsupported()`` gives a reason raises ``ValueError``."""
     if backend not in (None, *BACKENDS):
         raise ValueError(f"backend must be one of {BACKENDS} or None; got {backend!r}")
-    if backend is None:
+    if config_types is not None and config is not None:
+        owner = next((name for name, cls in config_types.items() if isinstance(config, cls)), None)
+        if backend is None and owner is None:
+            classes = " or ".join(f"{cls.__name__} (backend={name!r})" for name, cls in config_types.items())
+            raise TypeError(f"config must be a {classes}; got {type(config).__name__}")
+        if backend is not None and owner != backend:
+            raise TypeError(f"config must be a {config_types[backend].__name__} for {backend=}; got "
+                            f"{type(config).__name__}")
+        backend = owner
+    elif backend is None:
         return "triton" if config is not None else default()
+    elif backend == "mosaic" and config is not None:
+        raise ValueError("config= tunes the Triton kernel; the Mosaic kernel takes none (pass backend='triton')")
     if backend == "mosaic":
-        if config is not None:
-            raise ValueError("config= tunes the Triton kernel; the Mosaic kernel takes none (pass backend='triton')")
         reason = mosaic_unsupported()
         if reason is not None:
             raise ValueError(f"backend='mosaic' does not support {reason}; pass backend='triton'")

@@ -1,7 +1,8 @@
-"""Block sizes, warps, stages and the split-KV heuristic: tuning knobs, never semantics (seed §6).
+"""Block sizes, warps, stages and the split-KV heuristic: tuning knobs, never semantics (docs/design.md#conventions).
 
 Each kernel takes one static ``config`` argument; ``None`` asks the ``default_*_config`` function here, which reads
-the measured table for the device kind and head dim and falls back to safe values. Every config validates itself.
+the measured table for the device kind and head dim (docs/performance.md#tuned-tables) and falls back to defaults
+measured on the H200. Every config validates itself.
 """
 
 from __future__ import annotations
@@ -48,6 +49,27 @@ class PrefillConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicPrefillConfig:
+    """Varlen prefill on the Mosaic GPU backend (Hopper): ``block_kv`` keys per K/V shared-memory slot,
+    ``max_concurrent_steps`` slots in the ring the memory warpgroup fills ahead of the compute warpgroups, and
+    ``p_chunks`` column blocks in which a step's exponentials are summed and packed to the P · V operand (each block
+    before the next block's exponentials: fewer float32 registers live at once).
+
+    The defaults are the kernel measured on the H200 (docs/performance.md#varlen-prefill-mosaic-gpu). At head dim 128
+    two 128-key slots are what fits the 227 KB of shared memory beside Q/O; smaller heads leave room for more or
+    wider slots."""
+    block_kv: int = 128
+    max_concurrent_steps: int = 2
+    p_chunks: int = 2  # at 2 the step's registers fit without spills; 1 (all of P at once) spilled and ran slower
+
+    def __post_init__(self):
+        _check_pow2("block_kv", self.block_kv, lo=64, hi=256)  # wgmma: N <= 256, whole 64-key swizzle tiles
+        if not 2 <= self.max_concurrent_steps <= 8:  # one slot would leave nothing to load ahead
+            raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be in [2, 8]")
+        _check_pow2("p_chunks", self.p_chunks, lo=2, hi=self.block_kv // 8)  # blocks of whole 8-column tiles
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Paged decode and ragged paged attention: ``block_n`` keys per KV tile (a whole number of pages when
     ``block_size <= block_n``), ``block_q`` query tokens per program for ragged batches."""
@@ -70,8 +92,8 @@ class SparseConfig:
     block_h: int = 64
     num_warps: int = 8
     num_stages: int = 2
-    # >1: programs split the value dims (each recomputes QKᵀ) to relieve registers; measured slower on S1 (67-79
-    # vs 164 TFLOP/s on the H200): kept for experiments, not a default.
+    # >1: programs split the value dims (each recomputes QKᵀ) to relieve registers; slower than 1 on the standard
+    # shapes (docs/performance.md#ideas-measured-and-dropped), never a default.
     value_splits: int = 1
 
     def __post_init__(self):
@@ -80,8 +102,8 @@ class SparseConfig:
         _check_pow2("value_splits", self.value_splits, hi=8)
 
 
-# Measured winners (pallas_attn/tuned.py, written by `pallas-attn bench --sweep --write-tables`), keyed by
-# (device kind, padded head dim); sparse by (device kind, num_q_heads).
+# Measured winners (pallas_attn/core/tuned.py, written by `pallas-attn bench --sweep --write-tables`), keyed by
+# (device kind, padded head dim); sparse by (device kind, num_q_heads): docs/performance.md#tuned-tables.
 PREFILL_TABLE: dict[tuple[str, int], PrefillConfig] = {k: PrefillConfig(**v) for k, v in tuned.PREFILL.items()}
 DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {k: DecodeConfig(**v) for k, v in tuned.DECODE.items()}
 CHUNK_TABLE: dict[tuple[str, int], DecodeConfig] = {  # paged_attention's prefill-chunk pass
@@ -107,7 +129,7 @@ def default_prefill_config(head_dim: int, dtype_bytes: int = 2) -> PrefillConfig
         return hit
     if narrow_tiles(head_dim, dtype_bytes):
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
-    if padded >= 128:  # H200 sweep 2026-11-30 (P1/P2, bf16 D=128): 128x128, 8 warps, 3 stages won
+    if padded >= 128:  # the sweep's winner at D 128 (docs/performance.md#varlen-prefill-triton)
         return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
 
@@ -117,7 +139,7 @@ def default_decode_config(head_dim: int, block_size: int, dtype_bytes: int = 2) 
     hit = _tuned(DECODE_TABLE, padded)
     if hit is not None:
         return hit
-    # H200 sweep 2026-11-30 (bf16 D=128): block_n=128 / 4 warps / 2 stages best on D2 and V1, within 2% on D1.
+    # block_n 128 / 4 warps / 2 stages: the sweep's winner at D 128 (docs/performance.md#paged-decode).
     block_n = 32 if narrow_tiles(head_dim, dtype_bytes) else 128 if padded <= 128 else 64
     return DecodeConfig(block_n=max(block_n, min(block_size, 128)), num_warps=4, num_stages=2)
 
@@ -137,8 +159,7 @@ def default_chunk_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -
         return hit
     if narrow_tiles(head_dim, dtype_bytes):
         return DecodeConfig(block_n=max(32, min(block_size, 128)), num_warps=4, num_stages=2)
-    # H200 2026-11-30, M1's chunks (bf16 D=128, GQA 4): 128-row blocks with block_n 128 / 8 warps / 2 stages 0.571 ms
-    # (256 TFLOP/s); block_n 64 / 3 stages 0.717; 4 warps 0.626; the old 64-row blocks 0.864.
+    # 128-row blocks, block_n 128, 8 warps, 2 stages: the fastest on M1's chunks (docs/performance.md#mixed-batches).
     return DecodeConfig(block_n=128, num_warps=8, num_stages=2)
 
 
@@ -149,9 +170,9 @@ def default_sparse_config(num_heads: int) -> SparseConfig:
 
 def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, *, num_sms: int | None = None,
                       min_split_tokens: int = 1024, max_splits: int = 64) -> int:
-    """Split-KV heuristic (seed §10): split only when ``num_programs`` (batch × kv heads × query blocks) cannot fill
-    the GPU, and never into segments shorter than ``min_split_tokens`` keys (below that the merge pass costs more
-    than the parallelism buys: measured on the H200, splitting 1k contexts lost 10-15%).
+    """Split-KV heuristic: split only when ``num_programs`` (batch × kv heads × query blocks) cannot fill the GPU,
+    and never into segments shorter than ``min_split_tokens`` keys (below that the merge pass costs more than the
+    parallelism buys: docs/performance.md#split-kv-heuristic, docs/design.md#split-kv-and-the-merge).
 
     Several decode programs fit on one SM at once, so the batch alone "fills" the GPU at two programs per SM; below
     that, aim at about four programs per SM: ``splits ≈ 4·SMs / num_programs``, capped by the longest context's tile
@@ -171,9 +192,8 @@ def balance_split_size(num_programs: int, max_kv_len: int, block_n: int, *, num_
     context, so with lengths spread up to ``max_kv_len`` the last wave is a few long programs on an otherwise idle
     GPU. Cap a program at a quarter of an SM's expected share of the work (contexts averaging half the capacity:
     ``num_programs · max_kv_len / (2 · SMs)``), rounded down to a power of two and never below ``min_segment`` keys.
-    Returns None (no split) when that leaves one segment. Measured on the H200 (D1: 64 requests of 1k..8k keys,
-    512 programs): 2048-key segments 3,633-3,720 GB/s against 3,416-3,536 unsplit; 64 uniform 1k contexts give
-    496-key segments, so they stay unsplit (splitting them lost 10-15%).
+    Returns None (no split) when the segment would be shorter than ``min_segment`` or cover ``max_kv_len``
+    (docs/performance.md#split-kv-heuristic).
     """
     sms = num_sms or backend.num_sms()
     share = num_programs * max_kv_len / (2 * sms)

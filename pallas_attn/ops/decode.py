@@ -7,6 +7,8 @@ Kernel: :mod:`pallas_attn.kernels.triton.decode`. Reference: :func:`pallas_attn.
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
 
 import jax
 
@@ -14,19 +16,51 @@ from pallas_attn.core import backend, config as config_lib, validation
 from pallas_attn.kernels.triton import decode as triton_decode
 
 
-def _validate(q, k_cache, v_cache, block_tables, context_lens):
+def renamed_argument(old: str, new: str):
+    """Decorator: the argument ``new`` of the decorated function is also accepted under its former name ``old=``
+    for one release. ``old=`` warns (``DeprecationWarning`` naming ``new``) and passes its value on; giving both
+    raises ``TypeError``. A thin Python layer: the signature, the docstring and, for a jitted function, its compile
+    cache stay the function's own (the value goes in as ``new``'s positional argument where it can, so a call with
+    ``old=`` reuses the program compiled for positional calls)."""
+
+    def decorate(fn):
+        name = fn.__name__
+        position = list(inspect.signature(fn).parameters).index(new)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if old in kwargs:
+                if new in kwargs or len(args) > position:
+                    raise TypeError(f"{name}() got both {new} and its deprecated alias {old}=; pass {new} only")
+                warnings.warn(f"{name}(): {old}= is deprecated, pass {new}= (the same values); {old}= will be "
+                              f"removed in the next release", DeprecationWarning, stacklevel=2)
+                value = kwargs.pop(old)
+                if len(args) == position:
+                    args = (*args, value)
+                else:
+                    kwargs[new] = value
+            return fn(*args, **kwargs)
+
+        wrapper.renamed_arguments = {**getattr(fn, "renamed_arguments", {}), old: new}
+        return wrapper
+
+    return decorate
+
+
+def _validate(q, k_cache, v_cache, block_tables, seq_lens):
     validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_seqs, num_q_heads, head_dim]")
-    validation.check_rank("context_lens", context_lens, 1, "i32[num_seqs]")
-    validation.check_int32("context_lens", context_lens)
-    validation.check_shape("context_lens", context_lens, (q.shape[0],), "i32[num_seqs] with num_seqs = q.shape[0]")
+    validation.check_rank("seq_lens", seq_lens, 1, "i32[num_seqs]")
+    validation.check_int32("seq_lens", seq_lens)
+    validation.check_shape("seq_lens", seq_lens, (q.shape[0],), "i32[num_seqs] with num_seqs = q.shape[0]")
     if block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"block_tables must be i32[num_seqs, max_blocks] with num_seqs = q.shape[0] = "
                          f"{q.shape[0]}; got {tuple(block_tables.shape)}")
 
 
+@renamed_argument("context_lens", "seq_lens")
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "split_size", "return_lse",
                                              "interpret", "config"))
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale: float | None = None,
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale: float | None = None,
                            num_splits: int | None = None, split_size: int | None = None, return_lse: bool = False,
                            interpret: bool | None = None, config: config_lib.DecodeConfig | None = None):
     """One query per request against its paged K/V.
@@ -37,7 +71,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, *, s
         in [1, 256]), same dtype as q.
       block_tables: ``i32[num_seqs, max_blocks]``; entry ``[b, i]`` is the physical page of request b's logical
         page i. Entries past a request's last page may hold anything (-1 included): they are never read.
-      context_lens: ``i32[num_seqs]`` keys each query sees (its own included); 0 gives output 0 and LSE -inf.
+      seq_lens: ``i32[num_seqs]`` keys each query sees, its own included (as :func:`pallas_attn.paged_attention`'s
+        ``seq_lens`` and :attr:`pallas_attn.BatchMetadata.seq_lens`); 0 gives output 0 and LSE -inf. Its former name
+        ``context_lens=`` still works for one release, with a ``DeprecationWarning``.
       softmax_scale: default ``1/sqrt(head_dim)``.
       num_splits: split-KV segments per request (static). None: heuristic from num_seqs × num_kv_heads, the
         table's capacity ``max_blocks * block_size`` and the SM count; 1: single pass, no merge.
@@ -46,21 +82,21 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, *, s
         when the GPU is already full.
       return_lse: also return ``f32[num_seqs, num_q_heads]`` natural-log LSE.
       interpret: None → compiled on GPU, interpreted on CPU.
-      config: :class:`pallas_attn.config.DecodeConfig`; None → tuned default.
+      config: :class:`pallas_attn.core.config.DecodeConfig`; None → tuned default.
 
     Returns:
       ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``).
 
     Example:
-      >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+      >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
     """
-    _validate(q, k_cache, v_cache, block_tables, context_lens)
+    _validate(q, k_cache, v_cache, block_tables, seq_lens)
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2],
                                                    block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
                                                    num_splits, split_size)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = triton_decode.paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale=float(scale),
+    out, lse = triton_decode.paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=float(scale),
                                                  num_splits=splits, split_size=split_size,
                                                  interpret=backend.resolve_interpret(interpret), cfg=cfg)
     return (out, lse) if return_lse else out

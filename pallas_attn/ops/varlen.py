@@ -34,19 +34,10 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
 
 
 BACKENDS = backend_lib.BACKENDS
-# The default on sm_90 (measured on the H200, benchmarks/NOTES.md, fourteenth session: GPU time a call, 20 calls in
-# one jitted function): the Mosaic kernel from this max_seqlen on, per head_dim, and only for batches of at least
-# MOSAIC_MIN_TOKENS packed rows; else the Triton kernel.
-# * Small batches: the Mosaic path costs 10-23 µs a call more (its work list and K/V staging launch: 16 and 8-10 µs
-#   of GPU time a call in the P1/P2 breakdown). One request of 512 tokens takes 0.043 ms against Triton's 0.020, one
-#   of 1024 ties (0.047 / 0.046), one of 2048 is Mosaic's (0.101 / 0.118).
-# * Head dim 128: Mosaic 64 x 512 (0.513 vs 0.660 ms) and every longer workload; Triton 512 x 64 (0.448 vs 0.622),
-#   1024 x 32 and 128 requests of 1-256 tokens at unaligned starts (0.302 vs 0.445: every K/V window staged).
-#   Uniform aligned batches of 128- and 256-token requests are Mosaic's by 11-14% (0.439 / 0.487, 0.453 / 0.515),
-#   but they share their max_seqlen with the mixed batch, where Mosaic takes 47% longer: the rule leaves them to
-#   Triton.
-# * Head dim 64 (half the matmul per softmax): Mosaic 16 x 2048 (0.783 vs 0.814 ms), 8 x 4096 and P1; Triton
-#   32 x 1024 (0.464 vs 0.517).
+CONFIG_TYPES = {"triton": config_lib.PrefillConfig, "mosaic": config_lib.MosaicPrefillConfig}  # backend → config
+# The default on sm_90: Mosaic from MOSAIC_MIN_SEQLEN[head_dim] on, in batches of at least MOSAIC_MIN_TOKENS rows;
+# below, its work list and K/V staging launch (10-23 µs a call) outweigh its faster tiles (at head dim 64, half the
+# matmul per softmax, it needs longer requests): docs/performance.md#prefill-backend-rule.
 MOSAIC_MIN_SEQLEN = {128: 512, 64: 2048}
 MOSAIC_MIN_TOKENS = 2048
 
@@ -64,7 +55,8 @@ def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
                                              "config", "backend"))
 def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = True, softmax_scale: float | None = None,
                      return_lse: bool = False, interpret: bool | None = None,
-                     config: config_lib.PrefillConfig | None = None, backend: str | None = None):
+                     config: config_lib.PrefillConfig | config_lib.MosaicPrefillConfig | None = None,
+                     backend: str | None = None):
     """Attention over requests packed along the token axis; each request sees only its own tokens.
 
     Args:
@@ -78,14 +70,16 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         its own tokens.
       softmax_scale: default ``1/sqrt(head_dim)``.
       return_lse: also return the natural-log LSE ``f32[num_tokens, num_q_heads]`` (``-inf`` for padding rows).
-      interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.backend`).
-      config: block sizes / warps / stages (:class:`pallas_attn.config.PrefillConfig`); None → tuned default.
-        Triton backend only.
-      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.prefill_mosaic` (wgmma, TMA, warp
-        specialisation; bf16/fp16, head_dim 64 or 128 — anything else raises; interpreted on CPU by the Mosaic
-        GPU interpreter). None: :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it applies and was
-        measured faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]`` and ``num_tokens >= MOSAIC_MIN_TOKENS``),
-        else Triton.
+      interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.core.backend`).
+      config: the kernel's tuning knobs, never its semantics: :class:`pallas_attn.core.config.PrefillConfig`
+        (Triton: block sizes, warps, stages) or :class:`pallas_attn.core.config.MosaicPrefillConfig` (Mosaic GPU:
+        K/V slot size and count, P's column blocks). A config selects its backend when ``backend`` is None and must
+        match it otherwise (``TypeError`` naming both classes). None → the tuned default of the chosen backend.
+      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.prefill` (wgmma, TMA,
+        warp specialisation; bf16/fp16, head_dim 64 or 128 — anything else raises; interpreted on CPU by the Mosaic
+        GPU interpreter). None: the config's backend if one is given, else :func:`default_backend` — Mosaic on a
+        compiled sm_90 GPU where it applies and was measured faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]``
+        and ``num_tokens >= MOSAIC_MIN_TOKENS``), else Triton.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked).
@@ -101,11 +95,12 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
         backend, config=config, default=lambda: default_backend(q, k, max_seqlen, interpret),
-        mosaic_unsupported=lambda: mosaic_prefill.supported(q, k))
+        mosaic_unsupported=lambda: mosaic_prefill.supported(q, k), config_types=CONFIG_TYPES)
     if backend == "mosaic":
         out, lse = mosaic_prefill.varlen_attention_mosaic(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,
                                                          scale=float(scale), return_lse=return_lse,
-                                                         interpret=interpret)
+                                                         interpret=interpret,
+                                                         cfg=config or config_lib.MosaicPrefillConfig())
         return (out, lse) if return_lse else out
     cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
     return triton_prefill.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,

@@ -1,9 +1,10 @@
 """Packed varlen prefill on the Mosaic GPU backend (Hopper: wgmma, TMA, warp specialisation).
 
 ``varlen_attention`` runs this kernel by default on sm_90 where it applies and was measured faster
-(:func:`pallas_attn.prefill.default_backend`), or when asked (``backend="mosaic"``): the same contract as the
-Triton-backend one and the seed's structure, written for the backend that reaches Hopper's own instructions from
-Pallas:
+(:func:`pallas_attn.ops.varlen.default_backend`), or when asked (``backend="mosaic"``, or a
+:class:`pallas_attn.core.config.MosaicPrefillConfig`): the same contract and tile classes as the Triton kernel
+(:mod:`pallas_attn.kernels.triton.prefill`, docs/design.md#tile-classes), written for the backend that reaches
+Hopper's own instructions from Pallas (docs/design.md#backends):
 
 * grid ``(Hkv, work)``: per request ``b`` and KV head, the items are its 64-row query tiles times the ``group``
   query heads that share the KV head (item ``i``: tile ``i // group``, head ``i % group``), and program ``(g, w)``
@@ -12,12 +13,13 @@ Pallas:
   tiles (GQA sharing, any group size). The work list is built from ``cu_seqlens`` in the wrapper, heaviest
   programs first, so the short ones fill the tail; it has a static length and unused slots exit at once.
 * four warpgroups: three compute warpgroups (``S = Q Kᵀ`` and ``O += P V`` with wgmma, the online softmax in
-  registers, exp2 with the scale folded into its FMA) and one memory warpgroup that streams K and V tiles through
-  a ring of two shared-memory slots with TMA, guarded by "loaded" and "consumed" barriers (K and V of a slot
-  refilled apart). The compute warpgroups run free, without turns: while one runs its softmax, the tensor cores
-  have the other two's matmuls (FA3 needs a ping-pong and an intra-warpgroup overlap to hide the softmax behind
-  one other warpgroup; a third hides it plainly, at 160 registers a thread). A step's exponentials are summed and
-  packed to bf16 one half of the K/V tile at a time (``P_CHUNKS``), which keeps less of P live in float32 at 160
+  registers, exp2 with the scale folded into its FMA) and one memory warpgroup that streams K and V tiles through a
+  ring of shared-memory slots (``max_concurrent_steps`` of ``block_kv`` keys; two of 128 by default) with TMA,
+  guarded by "loaded" and "consumed" barriers (K and V of a slot refilled apart). The compute warpgroups run free,
+  without turns: while one runs its softmax, the tensor cores have the other two's matmuls (FA3 needs a ping-pong
+  and an intra-warpgroup overlap to hide the softmax behind one other warpgroup; a third hides it plainly, at 160
+  registers a thread). A step's exponentials are summed and packed to bf16 one column block of the K/V tile at a
+  time (``MosaicPrefillConfig.p_chunks`` blocks, default two), which keeps less of P live in float32 at 160
   registers. A warpgroup whose item has fewer K/V steps than the program's longest (the next tile of a causal
   request has one more) releases the rest of the slots without computing.
 * ``cu_seqlens`` is read inside the kernel. Full tiles (■, every key before the tile's first query) run with no
@@ -32,30 +34,27 @@ Pallas:
   TMA descriptor needs whole 8-row groups), Q lands in the untiled view and is re-laid out through registers
   instead. Padding rows (past ``cu_seqlens[-1]``) are zeroed by at most 16 extra programs per KV head, 512 rows
   a round.
-* K/V are read in place where they can be: request ``b``'s window ``j`` is its keys ``128 · [j, j + 1)``, packed
-  rows ``cu_seqlens[b] + 128 j`` onwards, which a TMA into tiled shared memory can read when ``cu_seqlens[b]`` is
-  a multiple of 8 and the window ends inside the request. The others are staged, zero-filled past the request's
-  end, by a copy kernel that touches only them: every window of a request that starts elsewhere, and the last,
-  partial window of one that does not (a whole-window ``P @ V`` past a request's end must meet zeros, not a
-  neighbour's NaN: ``0 · NaN = NaN``). P1 and P2 stage nothing.
+* K/V are read in place where they can be: request ``b``'s window ``j`` is its keys ``block_kv · [j, j + 1)``,
+  packed rows ``cu_seqlens[b] + block_kv · j`` onwards, which a TMA into tiled shared memory can read when
+  ``cu_seqlens[b]`` is a multiple of 8 and the window ends inside the request. The others are staged, zero-filled
+  past the request's end, by a copy kernel that touches only them: every window of a request that starts elsewhere,
+  and the last, partial window of one that does not (a whole-window ``P @ V`` past a request's end must meet zeros,
+  not a neighbour's NaN: ``0 · NaN = NaN``). P1 and P2 stage nothing.
 * LSE (natural log) goes to a buffer ``[work slots, Hkv, 3, 64]`` (a 64-wide TMA store per item; ∝ T) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
 
-Measured on the H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128; the fourteenth session's harness run,
-``benchmarks/results/…-session14-harness-01.json``): P1 568.0 TFLOP/s (cuDNN packed 525.8, JAX's attention_mgpu
-502.5 in six dense calls, Triton kernel 405.4), P2 656.0 (attention_mgpu 589.8, cuDNN 561.9, Triton 461.1); a
-second run 568.5 / 656.3. The same kernel gave 557–562 / 643–648 on the thirteenth session's slower board. The
-two-warpgroup FA3 schedule it replaced ran 520.6 / 580.0 in a tenth-session probe.
-Triton stays faster for one short request (512 tokens: 0.020 vs 0.043 ms of GPU time; this path's work list and
-staging launch cost 10-23 µs more) and for batches of requests shorter than 512 with unaligned starts, which the
-default rule leaves to it.
+Its speed against cuDNN, JAX's attention_mgpu and the Triton kernel, and what each choice above bought:
+docs/performance.md#varlen-prefill-mosaic-gpu. Triton stays faster for short requests (this path's work list and
+staging launch cost 10-23 µs more a call) and for batches of short requests at unaligned starts, which the
+default rule leaves to it (docs/performance.md#prefill-backend-rule).
 
 Interpret mode (CPU): the Mosaic GPU interpreter simulates the warpgroups, barriers, TMA and wgmma. Its limits
 (jax 0.11.2): wgmma's A operand must be in shared memory (P goes through a scratch buffer there), pl.run_state
 with a pre-initialised accumulator does not run (each P·V is a fresh accumulator there; compiled, P·V accumulates
 into the scaled accumulator), and every thread that waits on a barrier must observe each of its completions
 (the releases are guarded: only steps the memory warpgroup refills). The tile bounds, the softmax update, the two
-tile loops and the finalisation are the shared ones of :mod:`pallas_attn.masks` and :mod:`pallas_attn.softmax`.
+tile loops and the finalisation are the shared ones of :mod:`pallas_attn.core.masks` and
+:mod:`pallas_attn.core.softmax`. Reference: :func:`pallas_attn.reference.varlen_attention`.
 """
 
 from __future__ import annotations
@@ -69,20 +68,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_attn.core import masks, metadata, softmax, tiles
+from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
-COMPUTE_WGS = 3  # items (query tile, head) per program, one per compute warpgroup
-# Per thread (compute, memory warpgroup), by compute warpgroups: W · compute + memory ≤ (W + 1) · 128, the
-# launch's share, or the compute warpgroups' increase never returns. At 3 × 160 ptxas spills nothing with P_CHUNKS
-# 2 (with 1: 40 bytes stored, 44 loaded, 4 spill instructions a full K/V step; benchmarks/NOTES.md).
-REGISTERS = {2: (232, 40), 3: (160, 24)}
-# Column blocks in which a step's exponentials are summed and packed to bf16 (P · V's operand), each block before
-# the next one's exponentials: the program order then keeps one block of float32 P live instead of all of it, the
-# peak that spilled (see REGISTERS). 2 against 1 on the H200: P2 +0.85%, P1-unaligned +2.5%, P1 -0.4% (noise);
-# benchmarks/NOTES.md, thirteenth session.
-P_CHUNKS = 2
-BLOCK_KV = 128  # keys per K/V slot; a third slot (max_concurrent_steps=3) overflows shared memory at D 128
+# Items (query tile, head) per program, one per compute warpgroup: three hide each one's softmax behind the other
+# two's matmuls without turns (two free-running warpgroups are slower: docs/performance.md#varlen-prefill-mosaic-gpu).
+COMPUTE_WGS = 3
+# Registers per thread (compute, memory warpgroup): 3 · compute + memory must stay within the launch's 4 · 128, or
+# the compute warpgroups' increase never returns. 24 is the least setmaxnreg allows, 160 (a multiple of 8) the most.
+REGISTERS = (160, 24)
+SMEM_BYTES = 232_448  # shared memory per block on sm_90 (227 KB)
 ROW_ALIGN = 8  # TMA into (8, 64)-tiled shared memory: a tile's packed row offset must be a provable multiple of 8
 PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # padding rows a program zeroes per round (rows past cu_seqlens[-1] must come out 0)
 # Padding programs per KV head at most (each loops over rounds): without padding they only launch and exit, as the
@@ -99,6 +94,13 @@ def supported(q, k) -> str | None:
     if head_dim not in (64, 128):  # 256: Q/O and two K/V slots outgrow the 227 KB of shared memory
         return f"head_dim {head_dim} (64 or 128)"
     return None
+
+
+def smem_bytes(cfg: config_lib.MosaicPrefillConfig, head_dim: int, itemsize: int, return_lse: bool) -> int:
+    """Shared memory of the kernel's buffers (barriers aside): Q/O of each compute warpgroup, the K/V slots, LSE."""
+    q_and_o = COMPUTE_WGS * BLOCK_Q * head_dim * itemsize
+    kv_slots = 2 * cfg.max_concurrent_steps * cfg.block_kv * head_dim * itemsize
+    return q_and_o + kv_slots + (COMPUTE_WGS * BLOCK_Q * 4 if return_lse else 0)
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
@@ -119,7 +121,7 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
 def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref, k_staged_ref,
             v_staged_ref, o_ref, lse_ref, scoped, *, group: int, num_work_slots: int, num_pad_slots: int,
             block_kv: int, mcs: int, causal: bool, scale2: float, compiled: bool, q_tiled_tma: bool,
-            registers: tuple[int, int], compute_wgs: int, p_chunks: int):
+            p_chunks: int):
     (q_and_o, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     q_smem, o_smem = q_and_o  # one buffer: a warpgroup's O is written after its last Q Kᵀ
     kv_head = lax.axis_index("heads")
@@ -158,14 +160,14 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
     has_item, q_head, row0, q0, lo, hi, full_steps, kv_steps = item_of(wg)
     # The memory warpgroup streams the K/V tiles of the longest item; a slot is refilled once every compute
     # warpgroup released it (those with fewer steps release the rest without computing: see _release_rest).
-    cta_steps = functools.reduce(jnp.maximum, [item_of(i)[-1] for i in range(compute_wgs)])
+    cta_steps = functools.reduce(jnp.maximum, [item_of(i)[-1] for i in range(COMPUTE_WGS)])
 
     def release(free, j):  # only steps the memory warpgroup refills (it waits for exactly those)
         pl.when(j + mcs < cta_steps)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j, jnp.int32(mcs))]))
 
-    @pl.when(has_item & (wg < compute_wgs))
+    @pl.when(has_item & (wg < COMPUTE_WGS))
     def _compute():
-        plgpu.set_max_registers(registers[0], action="increase")
+        plgpu.set_max_registers(REGISTERS[0], action="increase")
         q_rows = q_ref.at[pl.ds(row0, BLOCK_Q), q_head]
         if q_tiled_tma:
             plgpu.copy_gmem_to_smem(q_rows, q_smem.at[wg], q_bar.at[wg])
@@ -223,15 +225,12 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
             release(k_free, j)
             if masked:
                 s = mask(j, s)
-            if p_chunks == 1:
-                m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s, scale=scale2)
-            else:  # exponentials summed and packed a column block at a time: fewer live float32 registers
-                m_i, alpha, p, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, p_chunks, scale=scale2)
+            # exponentials summed and packed a column block at a time: fewer live float32 registers
+            m_i, alpha, p, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, p_chunks, scale=scale2)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # The softmax and the rescale ahead of the wait for V (as JAX's attention_mgpu keeps them ahead of its
-            # ping-pong's barriers): the schedule measured in benchmarks/NOTES.md, tenth session. ptxas follows the
-            # program order: with p_chunks 1, P is packed after the rescale (packed before it, the PTX reordered);
-            # with more, each block is packed as its exponentials finish, which is what leaves nothing to spill.
+            # ping-pong's barriers). ptxas follows the program order: each block of P is packed as its exponentials
+            # finish, which leaves nothing to spill (docs/performance.md#varlen-prefill-mosaic-gpu).
             acc, m_i, l_i, p16 = lax.optimization_barrier((acc, m_i, l_i, p.astype(dtype)))
             plgpu.barrier_wait(v_bar.at[slot])
             acc = pv_dot(j, p16, acc)
@@ -250,11 +249,11 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[w, kv_head, wg])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(live & (wg < compute_wgs))
+    @pl.when(live & (wg < COMPUTE_WGS))
     def _release_rest():
         """The longest item's steps past this warpgroup's own (adjacent tiles of a causal request differ by one
         step; no item: all of them): wait for each load and release the slot, so that every refill gets its
-        ``compute_wgs`` arrivals in phase order (and every completion is observed: the interpreter checks)."""
+        ``COMPUTE_WGS`` arrivals in phase order (and every completion is observed: the interpreter checks)."""
         @pl.loop(kv_steps, cta_steps)
         def _(j):
             slot = lax.rem(j, jnp.int32(mcs))
@@ -263,9 +262,9 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
             plgpu.barrier_wait(v_bar.at[slot])
             release(v_free, j)
 
-    @pl.when(live & (wg == compute_wgs))
+    @pl.when(live & (wg == COMPUTE_WGS))
     def _memory():
-        plgpu.set_max_registers(registers[1], action="decrease")
+        plgpu.set_max_registers(REGISTERS[1], action="decrease")
 
         # windows from first_staged on are staged windows staged0, staged0 + 1, ... (see _stage_kv); read once
         first_staged, staged0 = kv_stage_ref[2 * b], kv_stage_ref[2 * b + 1]
@@ -300,7 +299,7 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
             load(step + mcs, slot, k_ready=lambda: plgpu.barrier_wait(k_free.at[slot]),
                  v_ready=lambda: plgpu.barrier_wait(v_free.at[slot]))
 
-    @pl.when(jnp.logical_not(is_tile) & (wg < compute_wgs))
+    @pl.when(jnp.logical_not(is_tile) & (wg < COMPUTE_WGS))
     def _zero_padding():  # rows past cu_seqlens[-1], for this KV head's heads: PAD_ROWS_PER_SLOT per program a round
         num_rows = o_ref.shape[0]
         first = cu_ref[cu_ref.shape[0] - 1] + (w - num_work_slots) * PAD_ROWS_PER_SLOT
@@ -313,8 +312,8 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
 
             @pl.loop(0, lax.div(num_rows - first + stride - 1, jnp.int32(stride)))
             def _round(r):
-                for h in range(group):  # warpgroup wg zeroes heads wg, wg + compute_wgs, ... of the group
-                    @pl.when(wg == h % compute_wgs)
+                for h in range(group):  # warpgroup wg zeroes heads wg, wg + COMPUTE_WGS, ... of the group
+                    @pl.when(wg == h % COMPUTE_WGS)
                     def _head(h=h):
                         for c in range(PAD_ROWS_PER_SLOT // BLOCK_Q):
                             row = first + r * stride + c * BLOCK_Q
@@ -330,13 +329,13 @@ def _tiles_per_seq(max_seqlen: int) -> int:
     return pl.cdiv(max(max_seqlen, 1) + ROW_ALIGN - 1, BLOCK_Q)
 
 
-def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group: int, compute_wgs: int):
+def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group: int):
     """Programs' items, heaviest first: ``(request i32[num_slots], first item i32[num_slots], slot i32[num_slots],
     cu_programs i32[num_seqs + 1], tiles i32[num_seqs])``; request -1 for unused slots.
 
     Request ``b`` has ``tiles[b] = cdiv(len_b + cu_seqlens[b] % 8, 64)`` query tiles (its rows from ``cu_seqlens[b]``
     rounded down to 8) and, per KV head, ``tiles[b] · group`` items (tile ``item // group``, head ``item % group`` of
-    the group). Its programs take ``compute_wgs`` consecutive items each (one per compute warpgroup): program ``c``
+    the group). Its programs take ``COMPUTE_WGS`` consecutive items each (one per compute warpgroup): program ``c``
     of request ``b`` is work slot ``slot[cu_programs[b] + c]``. Sorting by the keys a program visits (longest first)
     gives the tail of the grid the short programs, wherever their request sits in the batch."""
     starts, q_lens = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
@@ -345,25 +344,25 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group:
     # other requests' tiles out of the static list
     n_tiles = jnp.where(q_lens > 0, jnp.minimum((q_lens + shift + BLOCK_Q - 1) // BLOCK_Q,
                                                 _tiles_per_seq(max_seqlen)), 0)
-    n_programs = (n_tiles * group + compute_wgs - 1) // compute_wgs
+    n_programs = (n_tiles * group + COMPUTE_WGS - 1) // COMPUTE_WGS
     req, program, cu_programs = metadata.segment_items(n_programs, num_slots)
     safe = jnp.maximum(req, 0)
-    first = program * compute_wgs
-    end_tile = (jnp.minimum(first + compute_wgs, n_tiles[safe] * group) - 1) // group + 1  # past its last item's
+    first = program * COMPUTE_WGS
+    end_tile = (jnp.minimum(first + COMPUTE_WGS, n_tiles[safe] * group) - 1) // group + 1  # past its last item's
     keys = jnp.minimum(end_tile * BLOCK_Q - shift[safe], q_lens[safe]) if causal else q_lens[safe]
     order = jnp.argsort(jnp.where(req >= 0, -keys, 1), stable=True)
     slot = jnp.zeros((num_slots,), jnp.int32).at[order].set(jnp.arange(num_slots, dtype=jnp.int32))
     return req[order], first[order], slot, cu_programs, n_tiles
 
 
-def num_work_slots(num_tokens: int, num_seqs: int, max_seqlen: int, group: int, compute_wgs: int) -> int:
-    """A static bound on the programs ``_work_list`` hands out: Σ_b cdiv(tiles_b · group, compute_wgs), with
+def num_work_slots(num_tokens: int, num_seqs: int, max_seqlen: int, group: int) -> int:
+    """A static bound on the programs ``_work_list`` hands out: Σ_b cdiv(tiles_b · group, COMPUTE_WGS), with
     ``tiles_b = cdiv(len_b + shift_b, 64) ≤ (len_b + 7 + 63) / 64`` and ``tiles_b ≤ _tiles_per_seq(max_seqlen)``.
     A slot past the last program still launches (and exits): the bound is kept tight."""
     tiles = (num_tokens + (BLOCK_Q - 1 + ROW_ALIGN - 1) * num_seqs) // BLOCK_Q
-    rounding = 0 if group % compute_wgs == 0 else num_seqs  # a request's last program may be part-filled
-    return min(pl.cdiv(tiles * group, compute_wgs) + rounding,
-               num_seqs * pl.cdiv(_tiles_per_seq(max_seqlen) * group, compute_wgs))
+    rounding = 0 if group % COMPUTE_WGS == 0 else num_seqs  # a request's last program may be part-filled
+    return min(pl.cdiv(tiles * group, COMPUTE_WGS) + rounding,
+               num_seqs * pl.cdiv(_tiles_per_seq(max_seqlen) * group, COMPUTE_WGS))
 
 
 def _stage_kernel(src_ref, end_ref, k_ref, v_ref, k_staged_ref, v_staged_ref, *, block_kv: int, num_kv_heads: int,
@@ -420,36 +419,36 @@ def _stage_kv(k, v, cu_seqlens, block_kv: int, interpret: bool):
 
 
 def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, *, num_slots: int,
-                 causal: bool, scale: float, return_lse: bool, interpret: bool, block_kv: int,
-                 max_concurrent_steps: int, registers: tuple[int, int], compute_wgs: int, p_chunks: int):
+                 causal: bool, scale: float, return_lse: bool, interpret: bool,
+                 cfg: config_lib.MosaicPrefillConfig):
     """The kernel on K/V (rows in whole 8-row groups), their staged windows and a work list: ``out [T, Hq, D]``,
     ``lse_tiles f32[num_slots, Hkv, W, 64]``."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    block_kv, max_concurrent_steps = cfg.block_kv, cfg.max_concurrent_steps
     tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     scratch = (
-        (plgpu.RefUnion(plgpu.SMEM((compute_wgs, BLOCK_Q, head_dim), q.dtype, **tiled),  # Q, one per warpgroup
-                        plgpu.SMEM((compute_wgs, BLOCK_Q, head_dim), q.dtype)),  # O: untiled (any row range stored)
+        (plgpu.RefUnion(plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, **tiled),  # Q, one per warpgroup
+                        plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype)),  # O: untiled (any row range stored)
          plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), k.dtype, **tiled),
          plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), v.dtype, **tiled),
-         plgpu.SMEM((compute_wgs, BLOCK_Q), jnp.float32) if return_lse else None,
-         plgpu.SMEM((compute_wgs, BLOCK_Q, block_kv), q.dtype, **tiled) if interpret else None),  # P, see pv_dot
-        (plgpu.Barrier(num_barriers=compute_wgs), plgpu.Barrier(num_barriers=max_concurrent_steps),
+         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32) if return_lse else None,
+         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, block_kv), q.dtype, **tiled) if interpret else None),  # P, see pv_dot
+        (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=max_concurrent_steps),
          plgpu.Barrier(num_barriers=max_concurrent_steps)),
-        (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2,
+        (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_concurrent_steps),) * 2,
     )
     num_pad_slots = min(pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT), MAX_PAD_SLOTS)
     body = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, num_work_slots=num_slots, num_pad_slots=num_pad_slots,
         block_kv=block_kv, mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E,
-        compiled=not interpret, q_tiled_tma=num_tokens % ROW_ALIGN == 0, registers=registers, compute_wgs=compute_wgs,
-        p_chunks=p_chunks)
+        compiled=not interpret, q_tiled_tma=num_tokens % ROW_ALIGN == 0, p_chunks=cfg.p_chunks)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
 
     out_type = [jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q.dtype),
-                jax.ShapeDtypeStruct((num_slots, num_kv_heads, compute_wgs, BLOCK_Q), jnp.float32)  # ∝ T
+                jax.ShapeDtypeStruct((num_slots, num_kv_heads, COMPUTE_WGS, BLOCK_Q), jnp.float32)  # ∝ T
                 if return_lse else None]
     interpret_params = None
     if interpret:
@@ -459,41 +458,35 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
     # heaviest first; a request's programs, which read the same K/V windows, sit close in that order (L2).
     return plgpu.kernel(
         entry, out_type=out_type, grid=(num_kv_heads, num_slots + num_pad_slots),
-        grid_names=("heads", "work"), num_threads=compute_wgs + 1, thread_name="wg",
+        grid_names=("heads", "work"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params,
     )(cu_seqlens, kv_stage, q_tiles, work_req, work_item, q, k, v, k_staged, v_staged)
 
 
 def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
-                            interpret: bool, block_kv: int = BLOCK_KV, max_concurrent_steps: int = 2,
-                            registers: tuple[int, int] | None = None, compute_wgs: int = COMPUTE_WGS,
-                            p_chunks: int = P_CHUNKS):
-    """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`.
-
-    ``block_kv`` (keys per K/V slot), ``max_concurrent_steps`` (slots), ``compute_wgs`` (compute warpgroups: items
-    per program, 2 or 3), ``registers`` (per thread: compute, memory warpgroup; default ``REGISTERS``) and
-    ``p_chunks`` (see ``P_CHUNKS``) are tuning knobs for the probe, not public API."""
+                            interpret: bool, cfg: config_lib.MosaicPrefillConfig):
+    """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`,
+    tuned by ``cfg`` (:class:`pallas_attn.core.config.MosaicPrefillConfig`)."""
     reason = supported(q, k)
     if reason is not None:
         raise ValueError(f"the Mosaic prefill does not support {reason}")
-    if compute_wgs not in REGISTERS:
-        raise ValueError(f"compute_wgs must be one of {sorted(REGISTERS)}, got {compute_wgs}")
-    if p_chunks < 1 or block_kv % (8 * p_chunks):  # a column block of the wgmma layout is whole 8-column tiles
-        raise ValueError(f"p_chunks must split block_kv {block_kv} into multiples of 8 columns, got {p_chunks}")
+    head_dim = q.shape[-1]
+    need = smem_bytes(cfg, head_dim, q.dtype.itemsize, return_lse)
+    if need > SMEM_BYTES:
+        raise ValueError(f"config={cfg} needs {need} bytes of shared memory at {head_dim=}, more than the "
+                         f"{SMEM_BYTES} of sm_90: fewer max_concurrent_steps or a smaller block_kv")
     num_tokens, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
-    num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group, compute_wgs)
+    num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group)
     work_req, work_item, work_slot, cu_programs, q_tiles = _work_list(cu_seqlens, num_slots, causal, max_seqlen,
-                                                                      group, compute_wgs)
-    k_staged, v_staged, kv_stage = _stage_kv(k, v, cu_seqlens, block_kv, interpret)
+                                                                      group)
+    k_staged, v_staged, kv_stage = _stage_kv(k, v, cu_seqlens, cfg.block_kv, interpret)
     if num_tokens % ROW_ALIGN:  # a TMA into tiled shared memory reads whole 8-row groups of K/V
         k, v = (jnp.pad(x, ((0, -num_tokens % ROW_ALIGN), (0, 0), (0, 0))) for x in (k, v))
     out, lse_tiles = _call_kernel(
         q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots,
-        causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, block_kv=block_kv,
-        max_concurrent_steps=max_concurrent_steps, registers=registers or REGISTERS[compute_wgs],
-        compute_wgs=compute_wgs, p_chunks=p_chunks)
+        causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, cfg=cfg)
     if not return_lse:
         return out, None
     token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
@@ -502,6 +495,6 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[req] + cu_seqlens[req] % ROW_ALIGN
     head = jnp.arange(num_q_heads, dtype=jnp.int32)
     item = (local // BLOCK_Q)[:, None] * group + head % group  # [T, Hq]: the item within (request, KV head)
-    slot = work_slot[jnp.minimum(cu_programs[req][:, None] + item // compute_wgs, num_slots - 1)]
-    lse = lse_tiles[slot, head // group, item % compute_wgs, (local % BLOCK_Q)[:, None]]  # [T, Hq]
+    slot = work_slot[jnp.minimum(cu_programs[req][:, None] + item // COMPUTE_WGS, num_slots - 1)]
+    lse = lse_tiles[slot, head // group, item % COMPUTE_WGS, (local % BLOCK_Q)[:, None]]  # [T, Hq]
     return out, jnp.where(valid[:, None], lse, -jnp.inf)
