@@ -3,7 +3,7 @@ extra arguments.
 
     --variant bn64:config.block_n=64                    # a field of the op's default config
     --variant split4:num_splits=4                       # a keyword argument of the public function
-    --variant mosaic-pc1:backend=mosaic,config.p_chunks=1
+    --variant mosaic-pc4:backend=mosaic,config.p_chunks=4
 
 A ``key`` is a keyword argument of the workload's public function (``varlen_attention``, ``paged_decode_attention``,
 ``paged_attention``, ``sparse_mla_attention``); ``ARG.FIELD`` sets a field of the config argument ``ARG``

@@ -2,10 +2,10 @@
 
 Interleaved rounds cancel drift of the clocks; ABBA also cancels the position bias (under the 700 W power cap, the
 row timed right after a lower-power one runs faster). Rounds of at least ~80 ms, sustained like the harness's. A
-and B are ``--variant`` bodies (``backend=mosaic,config.p_chunks=1``; ``default`` for the plain call), on any
+and B are ``--variant`` bodies (``backend=mosaic,config.p_chunks=4``; ``default`` for the plain call), on any
 workload ids of the harness (standard or family). JSON to ``$OUT/ab.json``.
 
-    python -m benchmarks.lab.ab --a backend=mosaic,config.p_chunks=1 --b backend=mosaic,config.p_chunks=2 \\
+    python -m benchmarks.lab.ab --a backend=mosaic,config.p_chunks=4 --b backend=mosaic,config.p_chunks=2 \\
         --only P2,P1,R64,P1-unaligned
     python -m benchmarks.lab.ab --a backend=mosaic --b backend=triton --family prefill-rule --unroll 20
 """

@@ -28,7 +28,7 @@ def batch(s: wl.Spec, key: int = 0) -> wl.Batch:
 
 
 def kwargs(text: str, s: wl.Spec) -> dict:
-    """A variant body (``backend=mosaic,config.p_chunks=1``; ``default`` for none) → the call's keyword arguments,
+    """A variant body (``backend=mosaic,config.p_chunks=4``; ``default`` for none) → the call's keyword arguments,
     as ``--variant`` resolves them."""
     if text.strip() in ("", "default"):
         return {}

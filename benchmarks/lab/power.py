@@ -2,7 +2,7 @@
 kernel runs back to back for a few seconds: a bf16 matmul (the ceiling), then P2 through the Mosaic and the Triton
 prefill, and any ``--variant`` of ours on P2. GPU only (needs nvidia-smi). JSON to ``$OUT/power_probe.json``.
 
-    python -m benchmarks.lab.power [seconds per kernel] [--variant NAME:backend=mosaic,config.p_chunks=1 ...]
+    python -m benchmarks.lab.power [seconds per kernel] [--variant NAME:backend=mosaic,config.p_chunks=4 ...]
 """
 
 from __future__ import annotations
