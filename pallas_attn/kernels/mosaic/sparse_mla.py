@@ -289,8 +289,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
                 return s_ref[...]
 
             s2 = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_N), jnp.float32)) * scale2
-            rows = plgpu.load(ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], (),
-                              layout=plgpu.Layout.WGMMA.reduce(0))
+            rows = plgpu.load(ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], layout=plgpu.Layout.WGMMA.reduce(0))
             s2 = jnp.where(lax.broadcast_in_dim(rows >= 0, s2.shape, [1]), s2, -jnp.inf)
             m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s2)
             p16 = p.astype(dtype)
@@ -319,14 +318,14 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
             plgpu.barrier_wait(loaded.at[slot])
             plgpu.barrier_wait(p_ready.at[slot])
             plgpu.commit_smem()  # as in the score warpgroup: the gathered rows, for this wgmma
-            alpha = plgpu.load(stats.at[slot], (), layout=row_layout)
+            alpha = plgpu.load(stats.at[slot], layout=row_layout)
             accs = pv(rescaled(accs, alpha), k_rope.at[slot], slot, value_blocks)
             plgpu.barrier_arrive(consumed.at[slot])
             return accs
 
         accs = lax.fori_loop(0, num_tiles, step, zeros(value_blocks))
         plgpu.barrier_wait(l_ready)
-        store(accs, plgpu.load(stats.at[NUM_SLOTS], (), layout=row_layout), value_blocks)
+        store(accs, plgpu.load(stats.at[NUM_SLOTS], layout=row_layout), value_blocks)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
