@@ -188,8 +188,7 @@ def _cp_async_arrive_primitive():
     """The primitive, defined on first use: it rests on Pallas internals (``jax._src``), which importing
     ``pallas_attn`` must not depend on."""
     from jax._src import core as jax_core
-    from jax._src.pallas.mosaic_gpu import core as gpu_core
-    from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+    from jax._src.pallas.mosaic_gpu import core as gpu_core, lowering as mgpu_lowering
 
     prim = jax_core.Primitive("cp_async_arrive")
     prim.multiple_results = True
