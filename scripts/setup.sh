@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up a virtual environment (.venv, or $VENV) on a Python >= 3.12 and install pallas_attn with its test extra,
 # JAX pinned to the GPU machine's 0.11.2 (constraints.txt). Used by the README's first command and by .ci/run.
+# JAX_VERSION=X.Y.Z pins jax and jaxlib to X.Y.Z instead (the other pins stay), e.g.
+#   VENV=.venv-jax012 JAX_VERSION=0.12.0.1 bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,4 +28,12 @@ VENV=${VENV:-.venv}
 echo "setup: $PY ($("$PY" --version)) -> $VENV"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[test,bench]"
+CONSTRAINTS=constraints.txt
+if [ -n "${JAX_VERSION:-}" ]; then
+  CONSTRAINTS=$(mktemp)
+  trap 'rm -f "$CONSTRAINTS"' EXIT
+  grep -vE '^(jax|jaxlib)==' constraints.txt >"$CONSTRAINTS"
+  printf 'jax==%s\njaxlib==%s\n' "$JAX_VERSION" "$JAX_VERSION" >>"$CONSTRAINTS"
+fi
+echo "setup: $(grep -E '^(jax|jaxlib)==' "$CONSTRAINTS" | tr '\n' ' ')"
+"$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[test,bench]"

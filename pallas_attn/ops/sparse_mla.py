@@ -53,10 +53,8 @@ def _padded_topk(topk: int) -> int:
     return pl.cdiv(topk, mosaic_sparse.BLOCK_N) * mosaic_sparse.BLOCK_N
 
 
-# Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048, 576/512 dims): the Mosaic kernel 442
-# TFLOP/s, the Triton kernel 178; faster on each other decode batch tried too (1-256 tokens, top-k 256-2048, 64 or
-# 128 heads; 16 tokens at top-k 256 the closest: 36.0 vs 40.5 us; benchmarks/results/*-session7-sparse-probe-shapes).
-# Only DeepSeek's 576 / 512 dims were measured (and tested compiled).
+# Dims where the Mosaic kernel is the default: it beat the Triton kernel on every decode batch measured there
+# (docs/performance.md#sparse-mla); other dims were neither measured nor tested compiled, so they stay on Triton.
 MOSAIC_DIMS = ((576, 512),)
 
 
@@ -88,12 +86,12 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
         kv_lora_rank]``.
       softmax_scale: default ``1/sqrt(q.shape[-1])`` (``1/sqrt(576)``).
       return_lse: also return ``f32[num_tokens, num_heads]``; a row whose indices are all -1 gives 0 and -inf.
-      interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.backend`).
-      config: tiles / warps / stages of the Triton kernel (:class:`pallas_attn.config.SparseConfig`).
-      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.sparse_mosaic` (warp-specialised,
-        cp.async gather, wgmma; bf16/fp16, heads a multiple of 64, 64 rope dims, value dims a multiple of 64 in
-        (192, 512], any top-k, compiled only — anything else raises). None: :func:`default_backend` — Mosaic on a
-        compiled sm_90 GPU at 576 / 512 dims where it applies, else Triton.
+      interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.core.backend`).
+      config: tiles / warps / stages of the Triton kernel (:class:`pallas_attn.SparseConfig`).
+      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.sparse_mla`
+        (warp-specialised, cp.async gather, wgmma; bf16/fp16, heads a multiple of 64, 64 rope dims, value dims a
+        multiple of 64 in (192, 512], any top-k, compiled only — anything else raises). None:
+        :func:`default_backend` — Mosaic on a compiled sm_90 GPU at 576 / 512 dims where it applies, else Triton.
 
     Example:
       >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request

@@ -1,7 +1,7 @@
 """Top-k sparse MLA attention on the Mosaic GPU backend (Hopper: wgmma, warp specialisation, a cp.async gather).
 
-The same contract as :func:`pallas_attn.sparse.sparse_mla_attention` (which selects this kernel on sm_90 where it
-applies), written FlashMLA-style for the backend that reaches Hopper's own instructions from Pallas:
+The same contract as :func:`pallas_attn.ops.sparse_mla.sparse_mla_attention` (which selects this kernel on sm_90
+where it applies), written FlashMLA-style for the backend that reaches Hopper's own instructions from Pallas:
 
 * grid ``(num_tokens, H / 64)``: program ``(t, g)`` takes token ``t``'s heads ``64 g .. 64 g + 63`` (the M dim of
   both matmuls: every selected latent row is read once per 64 heads, not once per head).
@@ -25,10 +25,9 @@ applies), written FlashMLA-style for the backend that reaches Hopper's own instr
   grid ``(num_tokens, H / 64, splits)``, whose partial outputs and LSEs are merged by
   :func:`pallas_attn.merge_attention_states` (:func:`default_splits`).
 
-Measured on the H200 (2026-12-01, S1: 64 tokens x 128 heads, top-k 2048 of 32k, block size 64;
-``benchmarks/results/2026-12-01-nvidia-h200-session7-S1-final.json``): 442 TFLOP/s (82.6 us, 1,827 GB/s of gathered
-rows), the Triton kernel 178, a jitted jnp gather + dense attention 99; matmul ceiling of that run 688. What each step
-bought and what is left: ``benchmarks/NOTES.md`` ("Sparse MLA on Mosaic GPU").
+Throughput against the Triton kernel and the matmul ceiling, and what each step above bought:
+``docs/performance.md#sparse-mla``. How top-k positions reach pages:
+``docs/design.md#sparse-top-k-through-the-block-table``.
 
 Compiled only: the Mosaic GPU interpreter cannot run inlined Mosaic GPU code, so CPU tests check this kernel's
 lowering and the Triton-backend kernel covers interpret mode.
@@ -53,8 +52,7 @@ BLOCK_H = 64  # heads per program: one wgmma M tile
 BLOCK_N = 64  # selected rows per shared-memory slot
 COMPUTE_WGS = 2  # the score and the value warpgroup
 # Value columns the score warpgroup accumulates (the value warpgroup takes the rest). Its chain (Q Kᵀ, softmax, its
-# P · V) is the longer one, but at 256 columns its registers spill. S1 (measured before tiles signalled their own
-# arrival): 128 → 388 TFLOP/s, 192 → 396, 256 → 393; 128 → 425 against 192's 432 after.
+# P · V) is the longer one, so it takes fewer columns, but at 256 its registers spill (docs/performance.md#sparse-mla).
 SCORE_COLS = 192
 MAX_ACC_COLS = 256  # one wgmma's N: wider value ranges are accumulated in blocks
 NUM_SLOTS = 2  # q (72 KB) + two 576-wide slots (144 KB): a third slot would overflow 227 KB
@@ -64,11 +62,9 @@ TILE_COLS = SWIZZLE // 2  # bf16 columns per swizzle tile
 CHUNK = 16  # bytes per cp.async
 THREADS_PER_ROW = SWIZZLE // CHUNK  # a row's 128-byte swizzle-tile row is 8 threads' chunks: coalesced
 WG_THREADS = 128
-# Splitting a token's top-k list over programs (measured on the H200 before tiles signalled their own arrival, 128
-# heads unless said, us unsplit -> split): one token 82.8 -> 59.6 (16 splits), 8 tokens 84.3 -> 74.1 (8), 64 tokens
-# of 64 heads 88.4 -> 71.1 (2), but 16 tokens at top-k 256 40.5 -> 69.9 (2 splits of 2 tiles): the merge of the
-# partial outputs costs tens of us, so only long lists (at least MIN_TOPK_TILES_TO_SPLIT tiles) are split, into
-# programs of at least MIN_SPLIT_TILES tiles. Split, with the asynchronous arrival: 58.6, 45.2, 58.2 us.
+# Splitting a token's top-k list over programs helps small batches, but the merge of the partial outputs costs tens
+# of microseconds: only long lists (at least MIN_TOPK_TILES_TO_SPLIT tiles) are split, into programs of at least
+# MIN_SPLIT_TILES tiles (docs/performance.md#sparse-mla).
 MIN_SPLIT_TILES = 2
 MIN_TOPK_TILES_TO_SPLIT = 16
 
@@ -99,7 +95,7 @@ def _index(v):
 def _resolve_slots(topk_row, table_row, slots, *, block_size: int, num_pages: int, max_blocks: int):
     """``slots[i] = block_table[req, p // bs] * bs + p % bs`` for ``p = topk_row[i]``, ``-1`` where ``p`` is unused
     (``-1``) or past the table row; page numbers clamped into the pool (a bad index reads a wrong row, never faults).
-    The rule of :func:`pallas_attn.tiles.paged_rows` (which the Triton kernel calls), written as inlined Mosaic GPU
+    The rule of :func:`pallas_attn.core.tiles.paged_rows` (which the Triton kernel calls), written as inlined Mosaic GPU
     code: the Pallas Mosaic GPU backend has no gather from a GMEM table.
     Each of the warpgroup's 128 threads takes every 128th entry: independent loads, one latency for all."""
     max_pos = max_blocks * block_size
@@ -192,8 +188,7 @@ def _cp_async_arrive_primitive():
     """The primitive, defined on first use: it rests on Pallas internals (``jax._src``), which importing
     ``pallas_attn`` must not depend on."""
     from jax._src import core as jax_core
-    from jax._src.pallas.mosaic_gpu import core as gpu_core
-    from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+    from jax._src.pallas.mosaic_gpu import core as gpu_core, lowering as mgpu_lowering
 
     prim = jax_core.Primitive("cp_async_arrive")
     prim.multiple_results = True
@@ -289,8 +284,7 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
                 return s_ref[...]
 
             s2 = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_N), jnp.float32)) * scale2
-            rows = plgpu.load(ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], (),
-                              layout=plgpu.Layout.WGMMA.reduce(0))
+            rows = plgpu.load(ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], layout=plgpu.Layout.WGMMA.reduce(0))
             s2 = jnp.where(lax.broadcast_in_dim(rows >= 0, s2.shape, [1]), s2, -jnp.inf)
             m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s2)
             p16 = p.astype(dtype)
@@ -319,14 +313,14 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
             plgpu.barrier_wait(loaded.at[slot])
             plgpu.barrier_wait(p_ready.at[slot])
             plgpu.commit_smem()  # as in the score warpgroup: the gathered rows, for this wgmma
-            alpha = plgpu.load(stats.at[slot], (), layout=row_layout)
+            alpha = plgpu.load(stats.at[slot], layout=row_layout)
             accs = pv(rescaled(accs, alpha), k_rope.at[slot], slot, value_blocks)
             plgpu.barrier_arrive(consumed.at[slot])
             return accs
 
         accs = lax.fori_loop(0, num_tiles, step, zeros(value_blocks))
         plgpu.barrier_wait(l_ready)
-        store(accs, plgpu.load(stats.at[NUM_SLOTS], (), layout=row_layout), value_blocks)
+        store(accs, plgpu.load(stats.at[NUM_SLOTS], layout=row_layout), value_blocks)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -386,9 +380,9 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, *, kv_
                       registers: tuple[int, int, int] = (240, 224, 40), score_cols: int = SCORE_COLS,
                       num_splits: int | None = None):
     """``(out [T, H, kv_lora_rank], lse f32[T, H])``; arguments validated by
-    :func:`pallas_attn.sparse.sparse_mla_attention` and :func:`supported`. ``topk_indices`` padded to a multiple of
-    ``BLOCK_N`` with ``-1``. ``registers``: per thread, the score, value and memory warpgroups; they share the
-    launch's 3 × 168, so the sum must stay <= 504 (more and the compute warpgroups' increase waits forever).
+    :func:`pallas_attn.ops.sparse_mla.sparse_mla_attention` and :func:`supported`. ``topk_indices`` padded to a
+    multiple of ``BLOCK_N`` with ``-1``. ``registers``: per thread, the score, value and memory warpgroups; they share
+    the launch's 3 × 168, so the sum must stay <= 504 (more and the compute warpgroups' increase waits forever).
     ``num_splits``: programs per (token, 64 heads), each taking an equal share of the top-k tiles (a divisor of their
     number; None: :func:`default_splits`); their partial outputs are merged by
     :func:`pallas_attn.merge_attention_states`."""

@@ -1,4 +1,4 @@
-"""Top-k sparse MLA attention over a paged latent cache (seed §12–§13; DeepSeek-V3.2 style).
+"""Top-k sparse MLA attention over a paged latent cache (DeepSeek-V3.2 style).
 
 Each query token attends only to its ``topk`` selected positions. The cache holds one shared latent head per
 position: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (512 + 64 = 576 for DeepSeek). Keys are the full
@@ -13,9 +13,10 @@ token are the M dimension of both dots and share each gathered tile. The QKᵀ d
 (non-power-of-two) tile exists.
 
 On a compiled sm_90 GPU at DeepSeek's 576 / 512 dims the default is the Mosaic GPU kernel of
-:mod:`pallas_attn.sparse_mosaic` (warp-specialised: a memory warpgroup gathers the rows with ``cp.async``, a score
-warpgroup hands P to a value warpgroup): S1 442 TFLOP/s against this kernel's 178 on the H200. This Triton kernel is
-the default elsewhere and in interpret mode (``backend=`` forces either).
+:mod:`pallas_attn.kernels.mosaic.sparse_mla` (warp-specialised: a memory warpgroup gathers the rows with
+``cp.async``, a score warpgroup hands P to a value warpgroup), which is faster there
+(``docs/performance.md#sparse-mla``). This Triton kernel is the default elsewhere and in interpret mode
+(``backend=`` forces either).
 
 Reference: :func:`pallas_attn.reference.sparse_mla_attention`.
 """
