@@ -43,8 +43,7 @@ import traceback
 import jax
 import numpy as np
 
-from benchmarks import ceilings as ceilings_lib
-from benchmarks import checks, impls as impls_lib, variants as variants_lib, workloads as wl
+from benchmarks import ceilings as ceilings_lib, checks, impls as impls_lib, variants as variants_lib, workloads as wl
 from benchmarks.timing import time_fn
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"

@@ -15,15 +15,15 @@ Shape glossary (one name per axis, used everywhere):
 LSE convention: natural log, float32, ``-inf`` for a row that sees no key (its output is 0).
 """
 
-from pallas_attn.core.cache import allocate_kv_cache, write_kv_cache
 from pallas_attn.checks import checked
+from pallas_attn.core.cache import allocate_kv_cache, write_kv_cache
 from pallas_attn.core.config import DecodeConfig, MosaicPrefillConfig, PrefillConfig, SparseConfig
-from pallas_attn.ops.decode import paged_decode_attention
 from pallas_attn.core.metadata import BatchMetadata, build_metadata
-from pallas_attn.ops.paged import paged_attention
-from pallas_attn.ops.varlen import varlen_attention
+from pallas_attn.ops.decode import paged_decode_attention
 from pallas_attn.ops.merge import merge_attention_states
+from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.sparse_mla import sparse_mla_attention
+from pallas_attn.ops.varlen import varlen_attention
 
 try:  # installed: setuptools maps the top-level reference/ folder to pallas_attn.reference
     from pallas_attn import reference

@@ -72,10 +72,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from pallas_attn.ops.decode import paged_decode_attention, renamed_argument
-from pallas_attn.ops.paged import paged_attention
-from pallas_attn.ops.varlen import varlen_attention
 from pallas_attn.ops.merge import merge_attention_states
+from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.sparse_mla import sparse_mla_attention
+from pallas_attn.ops.varlen import varlen_attention
 
 __all__ = ["ContextShards", "context_parallel_decode", "cross_device_merge", "shard_paged_cache", "split_context_pages",
            "tensor_parallel", "tensor_parallel_specs"]

@@ -124,8 +124,9 @@ def test_families_and_ids():
 
 
 def test_standard_workloads_match_their_definition():
-    from benchmarks import workloads as wl
     import numpy as np
+
+    from benchmarks import workloads as wl
     d1 = wl.build_host(wl.WORKLOADS["D1"])
     assert np.array_equal(d1.seq_lens, np.random.default_rng(0).integers(1024, 8193, 64))
     owned = np.concatenate([d1.block_tables[b, :-(-int(n) // 16)] for b, n in enumerate(d1.seq_lens)])
@@ -150,6 +151,7 @@ def test_jax_pallas_mgpu_groups_round_trip_p1():
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     from benchmarks import anchors, impls, workloads as wl
     host = wl.build_host(_small_heads(wl.WORKLOADS["P1"]))
     rows, inverse = anchors._length_groups(host)
@@ -187,6 +189,7 @@ def test_jax_pallas_mgpu_groups_round_trip_p1():
 ])
 def test_jax_pallas_mgpu_refuses(tiny, interpret, lengths, match):
     import jax
+
     from benchmarks import anchors, impls, workloads as wl
     spec = (wl.TINY_WORKLOADS if tiny else wl.WORKLOADS)["P1"]
     if lengths is not None:
@@ -201,6 +204,7 @@ def test_jax_pallas_mgpu_lowers_for_h200(workload, monkeypatch):
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import attention_mgpu
+
     from benchmarks import anchors, workloads as wl
     from tests.test_lowering import _lower
     # a CPU jaxlib has no CUDA runtime to report; the kernel asks only to refuse causal on CUDA 12.8.0..12.9.0

@@ -15,8 +15,15 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from pallas_attn import (DecodeConfig, PrefillConfig, SparseConfig, paged_attention, paged_decode_attention,
-                         sparse_mla_attention, varlen_attention)
+from pallas_attn import (
+    DecodeConfig,
+    PrefillConfig,
+    SparseConfig,
+    paged_attention,
+    paged_decode_attention,
+    sparse_mla_attention,
+    varlen_attention,
+)
 from pallas_attn.checks import CheckError, checked
 from pallas_attn.testing import make_paged_kv, random_packed
 

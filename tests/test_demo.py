@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import __main__ as cli
-from pallas_attn import demo
+from pallas_attn import __main__ as cli, demo
 
 
 def test_demo_passes(capsys):

@@ -18,8 +18,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_attn import (DecodeConfig, PrefillConfig, SparseConfig, paged_attention, paged_decode_attention,
-                         sparse_mla_attention, varlen_attention)
+from pallas_attn import (
+    DecodeConfig,
+    PrefillConfig,
+    SparseConfig,
+    paged_attention,
+    paged_decode_attention,
+    sparse_mla_attention,
+    varlen_attention,
+)
 
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32

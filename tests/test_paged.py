@@ -8,8 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import (DecodeConfig, allocate_kv_cache, build_metadata, paged_attention, paged_decode_attention,
-                         reference, write_kv_cache)
+from pallas_attn import (
+    DecodeConfig,
+    allocate_kv_cache,
+    build_metadata,
+    paged_attention,
+    paged_decode_attention,
+    reference,
+    write_kv_cache,
+)
 from pallas_attn.core import config
 from pallas_attn.kernels.triton import paged
 from pallas_attn.testing import assert_attention_close, make_paged_kv
@@ -130,7 +137,7 @@ def test_decode_loop_with_write_kv_cache(rng):
     k_cache, v_cache = k_cache + jnp.nan, v_cache + jnp.nan  # unwritten slots are poison
     cached = [0, 0, 0]
     steps = [prompt] + [[1, 1, 1]] * total_steps
-    for step, q_lens in enumerate(steps):
+    for q_lens in steps:
         md = build_metadata(q_lens, cached, bs, num_blocks=32, max_blocks=8, seed=7)
         t = md.num_tokens
         q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32) for h in (hq, hkv, hkv))

@@ -22,8 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import (DecodeConfig, paged_attention, paged_decode_attention, parallel, reference,
-                         sparse_mla_attention, varlen_attention)
+from pallas_attn import (
+    DecodeConfig,
+    paged_attention,
+    paged_decode_attention,
+    parallel,
+    reference,
+    sparse_mla_attention,
+    varlen_attention,
+)
 from pallas_attn.testing import assert_attention_close, make_paged_kv, random_packed, relative_l2
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -142,7 +149,7 @@ def check_split_context_pages(rng):
     np.testing.assert_array_equal(s.seq_lens, [[48, 5, 0, 16, 16, 112], [22, 0, 0, 0, 1, 88]])
     np.testing.assert_array_equal(s.starts[1], [48, 16, 0, 16, 16, 112])
     for d in range(2):  # local tables map back to the right global pages, in order
-        for b, n in enumerate(ctx):
+        for b in range(len(ctx)):
             pages = -(-int(s.seq_lens[d, b]) // 16)
             first = int(s.starts[d, b]) // 16
             np.testing.assert_array_equal(s.page_map[d][s.block_tables[d, b, :pages]], tables[b, first:first + pages])

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from pallas_attn import DecodeConfig, MosaicPrefillConfig, PrefillConfig, reference, varlen_attention
 from pallas_attn.testing import assert_attention_close, random_packed

@@ -18,8 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pallas_attn import (DecodeConfig, PrefillConfig, SparseConfig, paged_attention, paged_decode_attention, reference,
-                         sparse_mla_attention, varlen_attention)
+from pallas_attn import (
+    DecodeConfig,
+    PrefillConfig,
+    SparseConfig,
+    paged_attention,
+    paged_decode_attention,
+    reference,
+    sparse_mla_attention,
+    varlen_attention,
+)
 from pallas_attn.core.metadata import bucket, cdiv
 from pallas_attn.testing import assert_attention_close, make_paged_kv, random_packed
 

@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
-from jax._src.pallas.triton import gpu_info, lowering
-from jax._src.pallas.triton import pallas_call_registration as registration
+from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration as registration
 from ptx_schedule import triton_bin  # tools/ (this script's directory) is on sys.path
 
 _H200 = gpu_info.GpuInfo(gpu_version=gpu_info.GpuVersion.H200, arch_name="sm_90", compute_capability=90)
@@ -74,8 +73,8 @@ def report(fn, args, *, num_warps: int, num_stages: int, label: str, launches=No
 
 
 def main():
-    from pallas_attn.core import config as cfg
     from pallas_attn import paged_attention, paged_decode_attention, sparse_mla_attention, varlen_attention
+    from pallas_attn.core import config as cfg
 
     S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     p = cfg.default_prefill_config(128)

@@ -27,7 +27,6 @@ import sys
 import tempfile
 
 
-
 def triton_bin(name: str) -> str:
     """Path of a CUDA tool bundled in the triton wheel (ptxas, ptxas-blackwell, cuobjdump, nvdisasm)."""
     import triton

@@ -105,7 +105,8 @@ def normalize(acc, l):
 
 
 def log_sum_exp(m, l):
-    """The natural-log LSE ``[M]`` of a state's base-2 running max ``m`` and row sum ``l``; ``-inf`` where ``l == 0``."""
+    """The natural-log LSE ``[M]`` of a state's base-2 running max ``m`` and row sum ``l``; ``-inf`` where
+    ``l == 0``."""
     empty = l == 0.0
     return jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
 
@@ -134,9 +135,10 @@ def _unrolled(n: int, body, init):
 
 def fold_split_states(num_splits: int, lse_at, out_at, lse_shape: tuple, out_shape: tuple, loop=_unrolled):
     """The split-KV merge (:func:`pallas_attn.merge_attention_states`) over states fetched one split at a time:
-    ``lse_at(s)`` ``[...]``, ``out_at(s)`` ``[..., D]``. A left fold in split order, empty (``-inf``) splits ignored even where
-    their outputs are NaN. ``loop(n, body, init)`` runs the folds: unrolled in XLA, ``lax.fori_loop`` inside a
-    kernel (:mod:`pallas_attn.kernels.triton.paged` merges one launch's partial states in the next launch's programs).
+    ``lse_at(s)`` ``[...]``, ``out_at(s)`` ``[..., D]``. A left fold in split order, empty (``-inf``) splits ignored
+    even where their outputs are NaN. ``loop(n, body, init)`` runs the folds: unrolled in XLA, ``lax.fori_loop``
+    inside a kernel (:mod:`pallas_attn.kernels.triton.paged` merges one launch's partial states in the next
+    launch's programs).
 
     Returns ``(out [..., D] float32, lse [...] float32)``."""
     m = loop(num_splits, lambda s, m: jnp.maximum(m, lse_at(s).astype(jnp.float32)),

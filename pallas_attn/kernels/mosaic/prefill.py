@@ -65,8 +65,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import triton as pltriton
+from jax.experimental.pallas import mosaic_gpu as plgpu, triton as pltriton
 
 from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
 
