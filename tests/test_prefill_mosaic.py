@@ -149,8 +149,8 @@ def test_mosaic_config_selects_the_mosaic_backend():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(block_kv=96), r"block_kv=96 must be a power of two in \[64, 256\]"),
-    (dict(block_kv=512), r"block_kv=512 must be a power of two in \[64, 256\]"),
+    (dict(block_kv=96), r"block_kv=96 must be a power of two in \[64, 128\]"),
+    (dict(block_kv=256), r"block_kv=256 must be a power of two in \[64, 128\]"),
     (dict(max_concurrent_steps=1), r"max_concurrent_steps=1 must be in \[2, 8\]"),
     (dict(p_chunks=1), r"p_chunks=1 must be a power of two in \[2, 16\]"),
     (dict(block_kv=64, p_chunks=16), r"p_chunks=16 must be a power of two in \[2, 8\]"),
@@ -173,7 +173,7 @@ def test_config_past_shared_memory_raises():
     (128, True, True, 8192, None), (64, False, False, 8195, None),  # 8195: not whole 8-row groups
     (128, True, False, 8192, MosaicPrefillConfig(p_chunks=4)),  # P in 32-column blocks: wgmma-layout slices
     (128, True, False, 8192, MosaicPrefillConfig(block_kv=64, max_concurrent_steps=4)),
-    (64, True, True, 8192, MosaicPrefillConfig(block_kv=256)),  # wgmma's widest N
+    (64, True, True, 8192, MosaicPrefillConfig(block_kv=64, p_chunks=8)),  # 8-column blocks, the narrowest
     (64, True, False, 8192, MosaicPrefillConfig(max_concurrent_steps=3)),  # fits beside 64-wide heads
 ])
 def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, config):
@@ -277,8 +277,8 @@ def test_staged_windows_hold_every_window_not_read_in_place(lens, extra, block_k
 @pytest.mark.parametrize("config", [
     MosaicPrefillConfig(p_chunks=4),  # P packed a 32-column block at a time
     MosaicPrefillConfig(block_kv=64, max_concurrent_steps=3),  # causal requests of many K/V steps, a deeper ring
-    MosaicPrefillConfig(block_kv=256, p_chunks=4),  # a request shorter than one K/V window
-], ids=["p_chunks4", "bkv64_mcs3", "bkv256"])
+    MosaicPrefillConfig(block_kv=64, p_chunks=8),  # 8-column blocks, the narrowest
+], ids=["p_chunks4", "bkv64_mcs3", "bkv64_pc8"])
 def test_configs(rng, config):
     """Configs other than the default: the same results. Masked diagonal tiles, K/V windows read in place and
     staged (requests start at 0, 130 and 131), and a request shorter than a block included."""

@@ -63,7 +63,9 @@ class MosaicPrefillConfig:
     p_chunks: int = 2  # at 2 the step's registers fit without spills; 1 (all of P at once) spilled and ran slower
 
     def __post_init__(self):
-        _check_pow2("block_kv", self.block_kv, lo=64, hi=256)  # wgmma: N <= 256, whole 64-key swizzle tiles
+        # Whole 64-key swizzle tiles; 256 keys need more than the compute warpgroups' 160 registers a thread
+        # (ptxas: at least 154 for one instruction of the step alone), so 128 is the widest slot.
+        _check_pow2("block_kv", self.block_kv, lo=64, hi=128)
         if not 2 <= self.max_concurrent_steps <= 8:  # one slot would leave nothing to load ahead
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be in [2, 8]")
         _check_pow2("p_chunks", self.p_chunks, lo=2, hi=self.block_kv // 8)  # blocks of whole 8-column tiles
