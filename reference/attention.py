@@ -45,12 +45,17 @@ def _check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
         raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
 
 
-def _check_cu(cu, num_tokens: int, name: str) -> np.ndarray:
-    """Reads `cu` (int[num_seqs + 1]) on the host and checks it is a valid packing of `num_tokens` rows."""
+def _request_rows(cu, num_tokens: int, name: str) -> np.ndarray:
+    """Reads `cu` (int[num_seqs + 1]) on the host: the request boundaries, made safe whatever they hold.
+
+    Boundaries are clamped into [0, num_tokens] and made non-decreasing (a running max), so request b owns rows
+    [cu[b], cu[b + 1]) of the result and requests never overlap. On a valid `cu` (0 = cu[0] <= ... <= cu[-1] <=
+    num_tokens) this is the identity. Rows before cu[0] and from cu[-1] on belong to no request.
+    """
     cu = np.asarray(cu).astype(np.int64)
-    if cu.ndim != 1 or cu.size < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] > num_tokens:
-        raise ValueError(f"{name} must be 1-D, start at 0, be non-decreasing and end <= {num_tokens=}; got {cu}")
-    return cu
+    if cu.ndim != 1 or cu.size < 1:
+        raise ValueError(f"{name} must be 1-D with num_seqs + 1 >= 1 entries; got shape {cu.shape}")
+    return np.minimum(np.maximum.accumulate(np.maximum(cu, 0)), num_tokens)
 
 
 def _empty_result(num_tokens: int, num_heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,21 +70,23 @@ def _finish(out: np.ndarray, lse: np.ndarray, return_lse: bool):
     return (out, lse) if return_lse else out
 
 
-def _gather_positions(cache: jax.Array, table_row: np.ndarray, positions: np.ndarray) -> jax.Array:
-    """Rows of a paged cache at logical `positions` of one request.
+def _gather_positions(cache: jax.Array, table_row: np.ndarray, positions: np.ndarray):
+    """Rows of a paged cache at logical `positions` of one request, and which of them exist.
 
-    cache: [num_blocks, block_size, ...]; table_row: i32[max_blocks]; positions: int[N] -> [N, ...].
-    Only the table entries of pages holding `positions` are read, so entries past the request's last page are
-    never looked at. Those that are read must be real pages: jnp indexing would silently clamp a bad one.
+    cache: [num_blocks, block_size, ...]; table_row: i32[max_blocks]; positions: int[N] (inside the table:
+    < max_blocks * block_size) -> (rows [N, ...], ok bool[N]). Only the table entries of pages holding `positions`
+    are read, so entries past the request's last page are never looked at. A key whose page id is outside the pool
+    [0, num_blocks) does not exist: ok is False and its row (read from page 0) must be masked by the caller.
     """
     num_blocks, block_size = cache.shape[:2]
-    logical = positions // block_size
-    if np.any(logical >= table_row.shape[0]):
-        raise ValueError(f"position {positions.max()} needs page {logical.max()} but {table_row.shape[0]=}")
-    physical = table_row[logical]
-    if np.any((physical < 0) | (physical >= num_blocks)):
-        raise ValueError(f"block table entry out of range [0, {num_blocks=}): {physical}")
-    return _take_slots(cache, physical, positions % block_size)
+    physical = table_row[positions // block_size].astype(np.int64)
+    ok = (physical >= 0) & (physical < num_blocks)
+    return _take_slots(cache, np.where(ok, physical, 0), positions % block_size), ok
+
+
+def _capped_lens(lens, table_width: int, block_size: int) -> np.ndarray:
+    """Key counts as the kernels read them: clamped into [0, the table's capacity max_blocks * block_size]."""
+    return np.clip(np.asarray(lens).astype(np.int64), 0, table_width * block_size)
 
 
 @jax.jit  # one compile per shape instead of several eager index ops
@@ -129,17 +136,22 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen=None, causal=True, softm
     q: [T, Hq, D]; k, v: [T, Hkv, D]; cu_seqlens: i32[B + 1].
     Request b owns rows [cu_seqlens[b], cu_seqlens[b + 1]) of q, k and v and never sees another request's rows.
     causal=True: local query i sees local keys j <= i; causal=False: every key of its request.
-    Returns out f32[T, Hq, D] (and lse f32[T, Hq] if return_lse). `max_seqlen` and `interpret` are ignored.
+    A request longer than `max_seqlen` (when given) is truncated to its first max_seqlen tokens, queries and keys;
+    its other rows, like rows no request owns (before cu_seqlens[0], from cu_seqlens[-1] on), give zeros and lse
+    -inf. Boundaries are read as `_request_rows` says. Returns out f32[T, Hq, D] (and lse f32[T, Hq] if
+    return_lse). `interpret` is ignored.
     """
-    del max_seqlen, interpret
+    del interpret
     num_tokens, num_q_heads, head_dim = q.shape
     _check_gqa(num_q_heads, k.shape[1])
-    cu = _check_cu(cu_seqlens, num_tokens, "cu_seqlens")
+    cu = _request_rows(cu_seqlens, num_tokens, "cu_seqlens")
     scale = _scale(softmax_scale, head_dim)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
 
     out, lse = _empty_result(num_tokens, num_q_heads, v.shape[-1])
     for start, end in zip(cu[:-1], cu[1:]):
+        if max_seqlen is not None:
+            end = min(end, start + max_seqlen)
         if start == end:
             continue
         local = np.arange(end - start)
@@ -157,7 +169,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, 
     q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: i32[B, max_blocks];
     seq_lens: i32[B] (`context_lens=`: its former name, deprecated, warns).
     Key position p of request b lives at cache[block_tables[b, p // block_size], p % block_size]. Only the first
-    cdiv(seq_lens[b], block_size) table entries are read. seq_lens[b] == 0 gives zeros and lse -inf.
+    cdiv(seq_lens[b], block_size) table entries are read. seq_lens[b] == 0 gives zeros and lse -inf. Lengths are
+    clamped into [0, max_blocks * block_size]; a key on a page id outside [0, num_blocks) is masked.
     Returns out f32[B, Hq, D] (and lse f32[B, Hq]). `num_splits`, `split_size`, `interpret` are ignored.
     """
     del num_splits, split_size, interpret
@@ -172,7 +185,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, 
         raise TypeError("paged_decode_attention() missing required argument: 'seq_lens'")
     num_seqs, num_q_heads, head_dim = q.shape
     _check_gqa(num_q_heads, k_cache.shape[2])
-    tables, lens = np.asarray(block_tables), np.asarray(seq_lens).astype(np.int64)
+    tables = np.asarray(block_tables)
+    lens = _capped_lens(seq_lens, tables.shape[1], k_cache.shape[1])
     scale = _scale(softmax_scale, head_dim)
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
 
@@ -181,9 +195,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, 
         if lens[b] == 0:
             continue
         positions = np.arange(lens[b])
-        k = _gather_positions(k_cache, tables[b], positions)  # [seq_len, Hkv, D]
-        v = _gather_positions(v_cache, tables[b], positions)
-        o, l = _attend(q[b:b + 1], k, v, np.ones((1, lens[b]), bool), scale)
+        k, ok = _gather_positions(k_cache, tables[b], positions)  # [seq_len, Hkv, D]
+        v, _ = _gather_positions(v_cache, tables[b], positions)
+        o, l = _attend(q[b:b + 1], k, v, ok[None, :], scale)
         out[b], lse[b] = np.asarray(o[0]), np.asarray(l[0])
     return _finish(out, lse, return_lse)
 
@@ -209,14 +223,18 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
                       (full [q_len, context_len] rectangle + [q_len, q_len] lower triangle)
 
     q_len 1 is decode, small q_len verification, context_len 0 fresh prefill, q_len 0 contributes no rows.
+    Whatever the inputs hold: boundaries are read as `_request_rows` says (rows no request owns give zeros and lse
+    -inf), seq_lens are clamped into [0, max_blocks * block_size] (a q_len past seq_len puts the first queries at
+    negative positions, which see no key), and keys on a page id outside [0, num_blocks) are masked.
     Returns out f32[T, Hq, D] (and lse f32[T, Hq]). `max_query_len`, `num_splits`, `split_size`, `interpret`
     are ignored.
     """
     del max_query_len, num_splits, split_size, interpret
     num_tokens, num_q_heads, head_dim = q.shape
     _check_gqa(num_q_heads, k_cache.shape[2])
-    cu = _check_cu(cu_query_lens, num_tokens, "cu_query_lens")
-    tables, lens = np.asarray(block_tables), np.asarray(seq_lens).astype(np.int64)
+    cu = _request_rows(cu_query_lens, num_tokens, "cu_query_lens")
+    tables = np.asarray(block_tables)
+    lens = _capped_lens(seq_lens, tables.shape[1], k_cache.shape[1])
     if lens.shape != (cu.size - 1,):
         raise ValueError(f"seq_lens must have one entry per request: {lens.shape=} vs {cu.size - 1} requests")
     scale = _scale(softmax_scale, head_dim)
@@ -225,23 +243,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     out, lse = _empty_result(num_tokens, num_q_heads, v_cache.shape[-1])
     for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         q_len, seq_len = end - start, lens[b]
-        if q_len > seq_len:
-            raise ValueError(f"request {b}: {q_len=} new tokens but only {seq_len=} keys in the cache")
         if q_len == 0:
             continue
         context_len = seq_len - q_len
         key_pos = np.arange(seq_len)
         query_pos = context_len + np.arange(q_len)
-        visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
-        k = _gather_positions(k_cache, tables[b], key_pos)  # [seq_len, Hkv, D]
-        v = _gather_positions(v_cache, tables[b], key_pos)
+        k, ok = _gather_positions(k_cache, tables[b], key_pos)  # [seq_len, Hkv, D]
+        v, _ = _gather_positions(v_cache, tables[b], key_pos)
+        visible = (key_pos[None, :] <= query_pos[:, None]) & ok[None, :]  # [q_len, seq_len]
         o, l = _attend(q[start:end], k, v, visible, scale)
         out[start:end], lse[start:end] = np.asarray(o), np.asarray(l)
     return _finish(out, lse, return_lse)
 
 
-def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, kv_lora_rank=512,
-                         softmax_scale=None, return_lse=False, interpret=None):
+def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, seq_lens=None,
+                         kv_lora_rank=512, softmax_scale=None, return_lse=False, interpret=None):
     """Top-k sparse attention over an MLA latent cache (one KV head shared by all query heads).
 
     q: [T, H, Dqk] (Dqk = 576 = 512 latent + 64 rope); kv_cache: [num_blocks, block_size, Dqk];
@@ -251,7 +267,9 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     Token t of request b attends to the rows at its valid indices p, found at
     kv_cache[block_tables[b, p // block_size], p % block_size]. Keys are the full Dqk dims of those rows, values
     their first `kv_lora_rank` dims. A duplicate index is a separate key (the same as gather + dense attention).
-    A row whose indices are all -1 gives zeros and lse -inf; so do tokens at or past cu_query_lens[-1].
+    A row whose indices are all -1 gives zeros and lse -inf; so do tokens no request owns (`_request_rows`).
+    An index past the request's keys is ignored like -1: past seq_lens[b] when seq_lens (i32[B]) is given, past
+    the table's capacity max_blocks * block_size always; so is one on a page id outside [0, num_blocks).
     `softmax_scale=None` means 1 / sqrt(Dqk). Returns out f32[T, H, kv_lora_rank] (and lse f32[T, H]).
     """
     del interpret
@@ -259,25 +277,27 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     tables, topk = np.asarray(block_tables), np.asarray(topk_indices).astype(np.int64)
     if topk.ndim != 2 or topk.shape[0] != num_tokens:
         raise ValueError(f"topk_indices must be [T, topk] with {num_tokens=}; got {topk.shape}")
-    if np.any(topk < -1):
-        raise ValueError("topk_indices must be >= 0, or -1 for an unused slot")
     if cu_query_lens is None:
         if tables.shape[0] != num_tokens:
             raise ValueError(f"cu_query_lens=None needs one token per request: {num_tokens=} vs {tables.shape[0]=}")
         cu = np.arange(num_tokens + 1)
     else:
-        cu = _check_cu(cu_query_lens, num_tokens, "cu_query_lens")
+        cu = _request_rows(cu_query_lens, num_tokens, "cu_query_lens")
+    capacity = tables.shape[1] * kv_cache.shape[1]
+    limits = (np.full(tables.shape[0], capacity) if seq_lens is None
+              else _capped_lens(seq_lens, tables.shape[1], kv_cache.shape[1]))
     scale = _scale(softmax_scale, head_dim)
     q, kv_cache = jnp.asarray(q), jnp.asarray(kv_cache)
 
     out, lse = _empty_result(num_tokens, num_heads, kv_lora_rank)
     for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         for t in range(start, end):
-            positions = topk[t][topk[t] >= 0]  # duplicates kept on purpose
+            positions = topk[t][(topk[t] >= 0) & (topk[t] < limits[b])]  # duplicates kept on purpose
             if positions.size == 0:
                 continue
-            rows = _gather_positions(kv_cache, tables[b], positions)[:, None, :]  # [n, 1, Dqk]: one kv head
-            o, l = _attend(q[t:t + 1], rows, rows[..., :kv_lora_rank], np.ones((1, positions.size), bool), scale)
+            rows, ok = _gather_positions(kv_cache, tables[b], positions)
+            rows = rows[:, None, :]  # [n, 1, Dqk]: one kv head
+            o, l = _attend(q[t:t + 1], rows, rows[..., :kv_lora_rank], ok[None, :], scale)
             out[t], lse[t] = np.asarray(o[0]), np.asarray(l[0])
     return _finish(out, lse, return_lse)
 

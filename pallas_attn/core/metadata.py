@@ -391,12 +391,21 @@ def _validate_metadata(md: BatchMetadata) -> None:
         raise ValueError(f"slot_mapping[{bad}]={int(slots[bad])}, the slot formula gives {int(expected[bad])}")
 
 
+def clamp_cu(cu, num_tokens: int):
+    """Request boundaries ``i32[num_seqs + 1]`` made safe whatever they hold: clamped into ``[0, num_tokens]`` and
+    non-decreasing (a running max). On valid boundaries it is the identity; on broken ones the requests keep
+    disjoint rows inside the array, so no request can read or write another's (docs/design.md#conventions)."""
+    return jnp.minimum(jax.lax.cummax(jnp.maximum(cu, 0)), num_tokens).astype(cu.dtype)
+
+
 def token_requests(cu_query_lens, num_tokens: int):
     """``i32[num_tokens]``: the request that owns each packed row (``cu_query_lens[b] <= row < cu_query_lens[b+1]``),
-    -1 for padding rows at or past ``cu_query_lens[-1]``. Traceable (jnp); one fusion, no loop."""
+    -1 for rows no request owns (before ``cu_query_lens[0]``, at or past ``cu_query_lens[-1]``). Traceable (jnp);
+    one fusion, no loop."""
     tok = jnp.arange(num_tokens, dtype=jnp.int32)
     req = jnp.searchsorted(cu_query_lens, tok, side="right", method="compare_all").astype(jnp.int32) - 1
-    return jnp.where(tok < cu_query_lens[-1], jnp.clip(req, 0, cu_query_lens.shape[0] - 2), -1)
+    owned = (tok >= cu_query_lens[0]) & (tok < cu_query_lens[-1])
+    return jnp.where(owned, jnp.clip(req, 0, cu_query_lens.shape[0] - 2), -1)
 
 
 def segment_items(counts, num_items: int):

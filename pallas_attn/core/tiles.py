@@ -65,26 +65,37 @@ def store_vector(ref, rows, value, row_mask=None):
     plgpu.store(ref.at[rows], value.astype(ref.dtype), mask=row_mask)
 
 
-def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: int, kv_head, valid=None,
-               num_pages: int | None = None):
-    """Row indices ``[N]`` of key positions ``pos`` in the flattened ``[num_blocks*block_size*Hkv, D]`` cache.
+def request_span(cu_ref, b, num_seqs: int, num_tokens: int):
+    """``(start, end)`` of request ``b``'s rows from the ``i32[num_seqs + 1]`` boundaries ``cu_ref``, whatever they
+    hold: boundaries are clamped into ``[0, num_tokens]`` and made non-decreasing (a running max), so requests never
+    overlap and a request never reaches past the array (docs/design.md#conventions). One vector load per program.
+    ``b == num_seqs`` gives ``(end of the last request, end of the last request)``."""
+    idx = jnp.arange(1 << max(num_seqs, 1).bit_length())  # a power of two > num_seqs
+    cu = jnp.clip(plgpu.load(cu_ref.at[jnp.minimum(idx, num_seqs)]), 0, num_tokens)
+    start = jnp.max(jnp.where(idx <= b, cu, 0))
+    end = jnp.max(jnp.where(idx <= jnp.minimum(b + 1, num_seqs), cu, 0))
+    return start, end
+
+
+def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: int, kv_head, num_pages: int,
+               valid=None):
+    """``(rows [N], page_ok bool[N])``: row indices of key positions ``pos`` in the flattened
+    ``[num_blocks*block_size*Hkv, D]`` cache, and whether their page id is in the pool.
 
     ``block_table_ref`` is the flattened ``[num_seqs * max_blocks]`` table and ``table_base`` the request's first
     entry. Entries are read as scalars-per-row from the table (logical_block = pos // block_size,
     physical_block = block_table[logical_block], slot = physical_block * block_size + pos % block_size). Where
-    ``valid`` is False the table is not read and row 0 is returned (callers mask those rows' loads). With
-    ``num_pages``, page numbers are clamped into the pool: for positions that come from user data (top-k indices), a
-    bad index reads a wrong row (safe mode reports it) instead of faulting the GPU.
+    ``valid`` is False the table is not read. A page id outside ``[0, num_pages)`` is never dereferenced: its rows
+    point at row 0 and ``page_ok`` is False, so callers mask their loads and scores (docs/design.md#conventions).
     """
     logical = table_base + pos // block_size
     if valid is None:
         page = plgpu.load(block_table_ref.at[logical])
     else:
         page = plgpu.load(block_table_ref.at[logical], mask=valid, other=0)
-    if num_pages is not None:
-        page = jnp.clip(page, 0, num_pages - 1)
-    slot = page * block_size + pos % block_size
-    return slot * num_kv_heads + kv_head
+    page_ok = (page >= 0) & (page < num_pages)
+    slot = jnp.where(page_ok, page, 0) * block_size + pos % block_size
+    return slot * num_kv_heads + kv_head, page_ok
 
 
 def dot_precision(dtype):
@@ -93,23 +104,26 @@ def dot_precision(dtype):
 
 
 def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, kv_head, *, cols: Cols,
-                  block_n: int, block_size: int, num_kv_heads: int, scale2: float, dot):
+                  block_n: int, block_size: int, num_kv_heads: int, num_pages: int, scale2: float, dot):
     """The per-KV-tile step shared by paged decode and ragged paged attention.
 
     ``q [M, Dp]`` rows sit at absolute positions ``q_pos [M]`` of a request with ``kv_len`` keys; key tile ``j``
     covers positions ``[j*block_n, (j+1)*block_n)``, read through the request's block table. Unmasked tiles (■)
-    load without masks and build no mask; masked tiles mask loads past ``kv_len`` (the table is not read there)
-    and apply ``key_pos <= query_pos`` (a full rectangle plus a bottom-right triangle).
+    build no position mask; masked tiles mask loads past ``kv_len`` (the table is not read there) and apply
+    ``key_pos <= query_pos`` (a full rectangle plus a bottom-right triangle). In both, keys on a page id outside the
+    pool are never loaded and score ``-inf`` (a compare per key: the isolation guarantee costs no extra pass).
     """
     def step(j, state, masked):
         k_pos = j * block_n + jnp.arange(block_n)  # [N]
         k_valid = (k_pos < kv_len) if masked else None
-        rows = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, k_valid)
-        k = load_rows(k_ref, rows, cols, k_valid)  # [N, Dp]
-        v = load_rows(v_ref, rows, cols, k_valid)  # [N, Dp]
+        rows, page_ok = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, num_pages,
+                                   k_valid)
+        ok = page_ok if k_valid is None else k_valid & page_ok  # [N]
+        k = load_rows(k_ref, rows, cols, ok)  # [N, Dp]
+        v = load_rows(v_ref, rows, cols, ok)  # [N, Dp]
         s2 = dot(q, k.T) * scale2  # [M, N]
-        if masked:
-            s2 = jnp.where(masks.causal_mask(q_pos, k_pos, kv_len), s2, -jnp.inf)
+        visible = masks.causal_mask(q_pos, k_pos, kv_len) & ok[None, :] if masked else ok[None, :]
+        s2 = jnp.where(visible, s2, -jnp.inf)
         return softmax.online_softmax_step(state, s2, v, dot)
 
     return step

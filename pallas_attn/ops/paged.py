@@ -11,7 +11,7 @@ import functools
 import jax
 from jax.experimental import pallas as pl
 
-from pallas_attn.core import backend, config as config_lib, validation
+from pallas_attn.core import backend, config as config_lib, metadata, validation
 from pallas_attn.kernels.triton import paged as triton_paged
 
 
@@ -61,6 +61,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       ...                       max_query_len=md.max_query_len)
     """
     _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len)
+    cu_query_lens = metadata.clamp_cu(cu_query_lens, q.shape[0])  # whatever it holds, requests stay disjoint
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     chunk_cfg = chunk_config or config_lib.default_chunk_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     group_padded = config_lib.next_pow2(q.shape[1] // k_cache.shape[2])

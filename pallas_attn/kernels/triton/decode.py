@@ -31,7 +31,7 @@ from pallas_attn.core import config as config_lib, masks, softmax, tiles
 # ---------------------------------------------------------------------------------------------- kernel body
 def _decode_kernel(
     # inputs
-    context_lens_ref,  # i32[num_seqs]
+    seq_lens_ref,  # i32[num_seqs]: keys of each query, its own included
     block_tables_ref,  # i32[num_seqs * max_blocks]
     q_ref,  # [num_seqs * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
@@ -50,7 +50,7 @@ def _decode_kernel(
     row_valid = r < group  # padding rows of the group compute on zeros and are never stored
     q_rows = b * num_q_heads + kv_head * group + r  # rows past the group are masked, but distinct
     q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [rows, Dp]
-    ctx = context_lens_ref[b]
+    ctx = jnp.clip(seq_lens_ref[b], 0, max_blocks * block_size)  # a length past the table reads nothing more
     q_pos = jnp.full((rows,), ctx - 1)  # the query is the last position: every key is visible
 
     tile_start, tile_end = tiles.split_tile_range(split, num_splits, ctx, block_n, split_size)
@@ -58,8 +58,8 @@ def _decode_kernel(
                                             tile_end=tile_end)
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
     step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, b * max_blocks, ctx, kv_head, cols=cols,
-                               block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads, scale2=scale2,
-                               dot=dot)
+                               block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
+                               num_pages=k_ref.shape[0] // (block_size * num_kv_heads), scale2=scale2, dot=dot)
     state = softmax.kv_loop(softmax.init_state(rows, q_ref.shape[-1]), tile_start, full_end, kv_end, step)
     out, lse = softmax.finalize(state)  # an empty split (or context 0) gives 0 and -inf
     out_rows = split * num_seqs * num_q_heads + q_rows
@@ -68,7 +68,7 @@ def _decode_kernel(
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, *, scale, num_splits, split_size, interpret,
+def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, *, scale, num_splits, split_size, interpret,
                  cfg: config_lib.DecodeConfig):
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -97,6 +97,6 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, *, scal
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"paged_decode_d{head_dim}_bs{block_size}" + ("_split" if partial else ""),
-    )(context_lens, block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
+    )(seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
       v_cache.reshape(-1, head_dim))
     return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype)

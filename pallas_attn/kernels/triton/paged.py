@@ -156,7 +156,7 @@ def _ragged_kernel(
     def _attend():
         q_start = cu_query_lens_ref[req]
         q_len = cu_query_lens_ref[req + 1] - q_start
-        seq_len = seq_lens_ref[req]
+        seq_len = jnp.clip(seq_lens_ref[req], 0, max_blocks * block_size)  # past the table: nothing more is read
         context = seq_len - q_len
         first = block_first_ref[p]
         tok = first + tok_in_block  # [M] request-local query index
@@ -171,7 +171,7 @@ def _ragged_kernel(
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, req * max_blocks, seq_len, kv_head,
                                    cols=cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
-                                   scale2=scale2, dot=dot)
+                                   num_pages=k_ref.shape[0] // (block_size * num_kv_heads), scale2=scale2, dot=dot)
         state = softmax.kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end, step)
         out, lse = softmax.finalize(state)
         if compact:  # the whole tile, invalid rows included: the merge reads only valid ones
@@ -186,21 +186,25 @@ def _ragged_kernel(
         return
 
     @pl.when((req < 0) & (p < num_q_blocks))
-    def _zero_padding():  # rows [cu_query_lens[-1], T): zeros and -inf, so they are finite without a second pass
+    def _zero_padding():  # rows no request owns, [0, cu[0]) and [cu[-1], T): zeros and -inf, no second pass
         pad_block = -1 - req
         num_pad_blocks = num_q_blocks - (p - pad_block)
         stride = num_pad_blocks * block_q
-        first = cu_query_lens_ref[num_seqs] + pad_block * block_q
 
-        def zero(i, carry):
-            tok = first + i * stride + tok_in_block
-            valid = (tok < num_tokens) & (g < group)
-            rows = out_base + jnp.where(valid, tok * num_q_heads + kv_head * group + g, oob)
-            tiles.store_rows(o_ref, rows, cols, jnp.zeros((r.shape[0], q_ref.shape[-1]), jnp.float32), valid)
-            tiles.store_vector(lse_ref, rows, jnp.full(r.shape, -jnp.inf, jnp.float32), valid)
-            return carry
+        def zero_rows(first, end):
+            def zero(i, carry):
+                tok = first + i * stride + tok_in_block
+                valid = (tok < end) & (g < group)
+                rows = out_base + jnp.where(valid, tok * num_q_heads + kv_head * group + g, oob)
+                tiles.store_rows(o_ref, rows, cols, jnp.zeros((r.shape[0], q_ref.shape[-1]), jnp.float32), valid)
+                tiles.store_vector(lse_ref, rows, jnp.full(r.shape, -jnp.inf, jnp.float32), valid)
+                return carry
 
-        jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(num_tokens - first, 0), stride), zero, 0)
+            jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(end - first, 0), stride), zero, 0)
+
+        # cu_query_lens is clamped (metadata.clamp_cu): both ranges lie inside [0, T)
+        zero_rows(pad_block * block_q, cu_query_lens_ref[0])
+        zero_rows(cu_query_lens_ref[num_seqs] + pad_block * block_q, num_tokens)
 
 
 def _merge_partials(i, kv_head, cu_query_lens_ref, block_req_ref, block_first_ref, part_o_ref, part_lse_ref,

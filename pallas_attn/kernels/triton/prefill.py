@@ -51,7 +51,7 @@ def _prefill_kernel(
     o_ref,  # [T * Hq, Dp]
     *lse_refs,  # f32[T * Hq] when return_lse
     num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, heads_per_program: int,
-    block_q: int, block_n: int, causal: bool, scale2: float, precision, exp2,
+    max_seqlen: int, block_q: int, block_n: int, causal: bool, scale2: float, precision, exp2,
 ):
     hp = heads_per_program
     group = num_q_heads // num_kv_heads
@@ -66,10 +66,30 @@ def _prefill_kernel(
     q_head = first_q_head + row % hp  # [M]
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
 
+    seq_start, seq_end = tiles.request_span(cu_seqlens_ref, b, num_seqs, num_tokens)
+    zeros = jnp.zeros((row.shape[0], q_ref.shape[-1]), jnp.float32)
+
+    def zero_rows(first, end, stride):  # rows [first, end) of these heads, a tile every `stride` rows: 0, LSE -inf
+        def zero(i, carry):
+            tok = first + i * stride + row // hp
+            tok_valid = tok < end
+            rows = tok * num_q_heads + q_head  # distinct, masked ones included (tiles.store_rows)
+            tiles.store_rows(o_ref, rows, cols, zeros, tok_valid)
+            if lse_refs:
+                tiles.store_vector(lse_refs[0], rows, jnp.full(row.shape, -jnp.inf, jnp.float32), tok_valid)
+            return carry
+
+        jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(end - first, 0), stride), zero, 0)
+
     @pl.when(b < num_seqs)
     def _attend():
-        seq_start = cu_seqlens_ref[b]
-        seq_len = cu_seqlens_ref[b + 1] - seq_start
+        # A request longer than max_seqlen is truncated to its first max_seqlen tokens (queries and keys); the tile
+        # programs of query tile 0 zero its other rows (none when the contract holds: a loop of zero steps).
+        seq_len = jnp.minimum(seq_end - seq_start, max_seqlen)
+
+        @pl.when(m == 0)
+        def _truncated():
+            zero_rows(seq_start + seq_len + m * block_q, seq_end, block_q)
 
         @pl.when(m * block_q < seq_len)  # tiles past the request exit at once
         def _tile():
@@ -99,21 +119,11 @@ def _prefill_kernel(
                 tiles.store_vector(lse_refs[0], q_rows, lse, row_valid)
 
     @pl.when(b == num_seqs)
-    def _zero_padding():  # rows [cu_seqlens[-1], T) of these heads: finite zeros, no second pass
-        pad_start = cu_seqlens_ref[num_seqs]
+    def _zero_padding():  # rows no request owns, [0, cu[0]) and [cu[-1], T): zeros, no second pass
         stride = num_q_tiles * block_q
-        first = pad_start + m * block_q
-
-        def zero(i, carry):
-            tok = first + i * stride + row // hp
-            tok_valid = tok < num_tokens
-            rows = tok * num_q_heads + q_head
-            tiles.store_rows(o_ref, rows, cols, jnp.zeros((row.shape[0], q_ref.shape[-1]), jnp.float32), tok_valid)
-            if lse_refs:
-                tiles.store_vector(lse_refs[0], rows, jnp.full(row.shape, -jnp.inf, jnp.float32), tok_valid)
-            return carry
-
-        jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(num_tokens - first, 0), stride), zero, 0)
+        first_start, _ = tiles.request_span(cu_seqlens_ref, 0, num_seqs, num_tokens)
+        zero_rows(m * block_q, first_start, stride)
+        zero_rows(seq_start + m * block_q, num_tokens, stride)
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
@@ -132,7 +142,7 @@ def varlen_attention_triton(q, k, v, cu_seqlens, *, max_seqlen, causal, scale, r
     full = lambda n: pl.BlockSpec((n, padded), lambda *_: (0, 0))  # whole array; kernels index rows themselves
     kernel = functools.partial(
         _prefill_kernel, num_seqs=num_seqs, num_tokens=num_tokens, num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, heads_per_program=hp, block_q=block_q,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, heads_per_program=hp, max_seqlen=max_seqlen, block_q=block_q,
         block_n=cfg.block_n, causal=causal, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype),
         exp2=softmax.approx_exp2 if (cfg.approx_exp2 and not interpret) else jnp.exp2)
     out_shape = [jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype)]
