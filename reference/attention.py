@@ -76,12 +76,14 @@ def _gather_positions(cache: jax.Array, table_row: np.ndarray, positions: np.nda
     cache: [num_blocks, block_size, ...]; table_row: i32[max_blocks]; positions: int[N] (inside the table:
     < max_blocks * block_size) -> (rows [N, ...], ok bool[N]). Only the table entries of pages holding `positions`
     are read, so entries past the request's last page are never looked at. A key whose page id is outside the pool
-    [0, num_blocks) does not exist: ok is False and its row (read from page 0) must be masked by the caller.
+    [0, num_blocks) does not exist: ok is False, its row is zeros, and the caller masks its score.
     """
     num_blocks, block_size = cache.shape[:2]
     physical = table_row[positions // block_size].astype(np.int64)
     ok = (physical >= 0) & (physical < num_blocks)
-    return _take_slots(cache, np.where(ok, physical, 0), positions % block_size), ok
+    rows = _take_slots(cache, np.where(ok, physical, 0), positions % block_size)
+    # Zeros, not page 0's contents: a masked key's value must not reach the output as 0 * NaN.
+    return jnp.where(ok.reshape(-1, *[1] * (rows.ndim - 1)), rows, 0), ok
 
 
 def _capped_lens(lens, table_width: int, block_size: int) -> np.ndarray:

@@ -475,6 +475,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
         raise ValueError(f"config={cfg} needs {need} bytes of shared memory at {head_dim=}, more than the "
                          f"{SMEM_BYTES} of sm_90: fewer max_concurrent_steps or a smaller block_kv")
     num_tokens, num_q_heads, _ = q.shape
+    cu_seqlens = metadata.clamp_cu(cu_seqlens, num_tokens)  # whatever it holds, requests stay disjoint and inside T
     group = num_q_heads // k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
     num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group)

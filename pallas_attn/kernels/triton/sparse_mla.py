@@ -68,11 +68,11 @@ def _sparse_kernel(
 
     def step(j, state):
         pos = plgpu.load(topk_ref.at[t * topk + j * block_n + jnp.arange(block_n)])  # [N]
-        # Indices past the table row (or the pool) are caller errors (safe mode reports them); kept in bounds here
-        # so they cannot fault the GPU.
+        # Indices past the table row and pages outside the pool are ignored like -1 (safe mode reports them).
         valid = (pos >= 0) & (pos < max_blocks * block_size) & (req >= 0)
-        slot = tiles.paged_rows(block_tables_ref, req * max_blocks, pos, block_size, 1, 0, valid,
-                                num_pages=kv_ref.shape[0] // block_size)  # [N]
+        slot, page_ok = tiles.paged_rows(block_tables_ref, req * max_blocks, pos, block_size, 1, 0,
+                                         kv_ref.shape[0] // block_size, valid)  # [N]
+        valid = valid & page_ok  # an index on a page id outside the pool is ignored like -1
         k_nope, k_pe = load_split(kv_ref, slot, valid)  # [N, Dv], [N, rope]
         s = dot(q_nope, k_nope.T)  # [H_blk, N]
         if rope_dim:
