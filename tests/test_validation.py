@@ -27,7 +27,6 @@ CASES = {
     "head_dim_big": (lambda: v.check_head_dim("q", 264), ValueError, "head_dim=264 unsupported"),
     "gqa": (lambda: v.check_gqa(6, 4), ValueError, "num_q_heads=6 must be a positive multiple of num_kv_heads=4"),
     "block_size": (lambda: v.check_block_size(512), ValueError, "block_size=512"),
-    "static": (lambda: v.check_static_positive("max_seqlen", np.int32(-1)), TypeError, "max_seqlen must be a static"),
     "static_int_negative": (lambda: v.check_static_int("max_seqlen", np.int32(-1)), ValueError,
                             r"max_seqlen must be a static Python int >= 1; got max_seqlen=-1"),
     "static_int_zero": (lambda: v.check_static_int("max_query_len", 0), ValueError,
@@ -89,10 +88,6 @@ def test_valid_inputs_pass():
     assert v.check_softmax_scale("softmax_scale", np.float32(0.5)) == 0.5 and v.check_softmax_scale("s", 1) == 1.0
     assert v.check_softmax_scale("softmax_scale", None) is None
     assert v.check_mesh_axis(jax.make_mesh((1,), ("tp",)), "tp") == 1
-
-
-def test_static_positive():
-    assert v.check_static_positive("max_seqlen", 0) == 0
 
 
 def test_as_array():

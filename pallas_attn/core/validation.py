@@ -170,9 +170,3 @@ def check_paged_kv(q, k_cache, v_cache, block_tables, q_layout: str) -> None:
     check_block_size(k_cache.shape[1])
     check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
     check_int32("block_tables", block_tables)
-
-
-def check_static_positive(name: str, value) -> int:
-    if isinstance(value, (jnp.ndarray, np.ndarray)) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise TypeError(f"{name} must be a static Python int >= 0 (a bucketed maximum); got {value!r}")
-    return int(value)

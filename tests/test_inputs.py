@@ -1,0 +1,204 @@
+"""What the public functions do with awkward inputs: Python lists and numpy arrays, wrong static arguments.
+
+* Lists, tuples and numpy arrays are converted (integer data to int32 where the argument is int32), and a new batch
+  of the same shapes reuses the compiled program.
+* Every trace-time mistake is a ``TypeError`` / ``ValueError`` naming the argument, what it got and what it needs.
+
+Runtime on CPU: ~20 s (most cases raise before any kernel; a few compile one tiny kernel each).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_attn import (
+    DecodeConfig,
+    PrefillConfig,
+    SparseConfig,
+    merge_attention_states,
+    paged_attention,
+    paged_decode_attention,
+    reference,
+    sparse_mla_attention,
+    varlen_attention,
+)
+from pallas_attn.ops import varlen as varlen_ops
+from pallas_attn.testing import make_paged_kv, random_packed
+
+PREFILL = PrefillConfig(block_m=16, block_n=16)
+DECODE = DecodeConfig(block_n=16)
+SPARSE = SparseConfig(block_n=16, block_h=16, num_warps=4)
+BS, D, DQK, RANK = 4, 16, 80, 64  # block_size, head_dim; sparse: q / latent dim and value dims
+I32 = jnp.int32
+
+
+def _i32(*shape):
+    return jnp.zeros(shape, I32)
+
+
+def _rows(rng, n, heads, dim, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal((n, heads, dim)), dtype)
+
+
+# ------------------------------------------------------------------------------------------- lists and numpy
+
+
+def _small_batches(rng):
+    """One small valid batch per kernel: (function, positional arrays, keyword arguments)."""
+    q, cu = random_packed(rng, [5, 3], 2, D, jnp.float32, pad_to=10)
+    k, _ = random_packed(rng, [5, 3], 1, D, jnp.float32, pad_to=10)
+    kc, vc, bt = make_paged_kv(rng, [6, 3], BS, 1, D, jnp.float32)
+    qd = _rows(rng, 2, 2, D)
+    qp, cup = random_packed(rng, [1, 3], 2, D, jnp.float32, pad_to=5)
+    kv, _, bts = make_paged_kv(rng, [6, 3], BS, None, DQK, jnp.float32)
+    return {
+        "varlen": (varlen_attention, (q, k, k, cu), dict(max_seqlen=8, config=PREFILL)),
+        "decode": (paged_decode_attention, (qd, kc, vc, bt, jnp.array([6, 3], I32)), dict(config=DECODE)),
+        "paged": (paged_attention, (qp, kc, vc, bt, jnp.array([6, 3], I32), cup),
+                  dict(max_query_len=4, config=DECODE)),
+        "sparse": (sparse_mla_attention, (_rows(rng, 2, 4, DQK), kv, bts, jnp.array([[0, 5, -1], [2, 0, 1]], I32)),
+                   dict(kv_lora_rank=RANK, config=SPARSE)),
+    }
+
+
+def _as_host(x):
+    """Integer arrays as nested Python lists, float arrays as numpy arrays."""
+    x = np.asarray(x)
+    return x.tolist() if x.dtype.kind == "i" else x
+
+
+@pytest.mark.parametrize("kind", ["varlen", "decode", "paged", "sparse"])
+def test_lists_and_numpy_arrays_are_accepted(kind, rng):
+    fn, args, kw = _small_batches(rng)[kind]
+    want = fn(*args, **kw, return_lse=True)
+    host = tuple(_as_host(a) for a in args)
+    assert isinstance(host[3], list)
+    got = fn(*host, **kw, return_lse=True)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_list_batches_reuse_the_compiled_program(rng, monkeypatch):
+    """The wrapper only converts: a new batch of the same shapes, given as lists, traces nothing new."""
+    traces = []
+    validate = varlen_ops._validate  # runs once per trace
+    monkeypatch.setattr(varlen_ops, "_validate", lambda *a: traces.append(1) or validate(*a))
+    fn, (q, k, v, _), kw = _small_batches(rng)["varlen"]
+    for cu in ([0, 5, 8], [0, 5, 8]):  # warm up (a first run may change JAX's tracing context once)
+        fn(q, k, v, cu, **kw)
+    before = len(traces)
+    for cu in ([0, 2, 9], (0, 10, 10), np.array([0, 1, 4], np.int64)):
+        fn(q, k, v, cu, **kw)
+    assert len(traces) == before
+
+
+def test_wrappers_keep_signature_and_docs():
+    for fn in (varlen_attention, paged_decode_attention, paged_attention, sparse_mla_attention,
+               merge_attention_states):
+        assert fn.__doc__ and fn.__wrapped__ is not None
+        params = inspect.signature(fn).parameters
+        assert list(params)[:2] in (["q", "k"], ["q", "k_cache"], ["q", "kv_cache"], ["outs", "lses"])
+    assert inspect.signature(varlen_attention).parameters["max_seqlen"].kind is inspect.Parameter.KEYWORD_ONLY
+    # The jitted function's ahead-of-time API, behind the same conversions and checks.
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, 2, D), (3, BS, 1, D), (3, BS, 1, D))]
+    out = paged_decode_attention.eval_shape(*shapes, [[0, 1], [2, -1]], [5, 3], config=DECODE)
+    assert out.shape == (2, 2, D) and out.dtype == jnp.float32
+    with pytest.raises(TypeError, match="num_splits must be a static Python int >= 1 or None; got num_splits=2.0"):
+        paged_decode_attention.eval_shape(*shapes, [[0, 1], [2, -1]], [5, 3], num_splits=2.0)
+    assert callable(varlen_attention.lower) and callable(paged_attention.trace)
+
+
+# ------------------------------------------------------------------------------------------ trace-time errors
+# name: (kind, positional index or keyword -> new value (DROP: left out), exception, message regex)
+DROP = object()
+BAD = {
+    "list_of_strings": ("varlen", {3: ["0", "5", "8"]}, TypeError, r"cu_seqlens must be an array of numbers"),
+    "ragged_block_tables": ("decode", {3: [[0, 1], [2]]}, TypeError, r"block_tables must be an array"),
+    "float_list_for_int32": ("decode", {4: [6.0, 3.0]}, TypeError, r"seq_lens must be int32; got float32"),
+    "max_seqlen_bool": ("varlen", {"max_seqlen": True}, TypeError,
+                        r"max_seqlen must be a static Python int >= 1; got max_seqlen=True \(bool\)"),
+    "max_seqlen_zero": ("varlen", {"max_seqlen": 0}, ValueError, r"got max_seqlen=0"),
+    "max_seqlen_float": ("varlen", {"max_seqlen": 8.0}, TypeError, r"got max_seqlen=8.0 \(float\)"),
+    "max_seqlen_jax_array": ("varlen", {"max_seqlen": jnp.int32(8)}, TypeError,
+                             r"max_seqlen must be a static Python int >= 1; got a jax array int32\[\]: pass a Python "
+                             r"int; it is static .* bucket it"),
+    "max_query_len_numpy_array": ("paged", {"max_query_len": np.array(4)}, TypeError,
+                                  r"max_query_len must be a static Python int >= 1; got a numpy array"),
+    "max_query_len_negative": ("paged", {"max_query_len": -1}, ValueError, r"got max_query_len=-1"),
+    "softmax_scale_nan": ("varlen", {"softmax_scale": float("nan")}, ValueError,
+                          r"softmax_scale must be None or a finite Python float > 0; got softmax_scale=nan"),
+    "softmax_scale_inf": ("decode", {"softmax_scale": np.inf}, ValueError, r"got softmax_scale=inf"),
+    "softmax_scale_zero": ("paged", {"softmax_scale": 0.0}, ValueError, r"got softmax_scale=0.0"),
+    "softmax_scale_negative": ("sparse", {"softmax_scale": -1.0}, ValueError, r"got softmax_scale=-1.0"),
+    "softmax_scale_jax_array": ("varlen", {"softmax_scale": jnp.float32(0.25)}, TypeError,
+                                r"softmax_scale must be None or a finite Python float > 0; got a jax array"),
+    "causal_str": ("varlen", {"causal": "yes"}, TypeError, r"causal must be a static Python bool; got causal='yes'"),
+    "causal_none": ("varlen", {"causal": None}, TypeError, r"got causal=None"),
+    "return_lse_int": ("decode", {"return_lse": 1}, TypeError,
+                       r"return_lse must be a static Python bool; got return_lse=1 \(int\)"),
+    "interpret_str": ("paged", {"interpret": "cpu"}, TypeError,
+                      r"interpret must be a static Python bool or None; got interpret='cpu'"),
+    "num_splits_zero": ("decode", {"num_splits": 0}, ValueError,
+                        r"num_splits must be a static Python int >= 1 or None; got num_splits=0"),
+    "num_splits_bool": ("paged", {"num_splits": True}, TypeError, r"got num_splits=True \(bool\)"),
+    "split_size_negative": ("decode", {"split_size": -16}, ValueError,
+                            r"split_size must be a static Python int >= 1 or None; got split_size=-16"),
+    "kv_lora_rank_float": ("sparse", {"kv_lora_rank": 64.0}, TypeError,
+                           r"kv_lora_rank must be a static Python int >= 1; got kv_lora_rank=64.0"),
+    "sparse_cu_query_lens_rank": ("sparse", {"cu_query_lens": [[0, 1, 2]]}, ValueError,
+                                  r"cu_query_lens must be i32\[num_seqs \+ 1\] \(rank 1\); got shape \(1, 3\)"),
+    "missing_argument": ("paged", {"max_query_len": DROP}, TypeError, r"paged_attention\(\): missing a required"),
+}
+
+
+def _apply(batch, change):
+    fn, args, kw = batch
+    args, kw = list(args), dict(kw)
+    for key, value in change.items():
+        if isinstance(key, int):
+            args[key] = value
+        elif value is DROP:
+            kw.pop(key)
+        else:
+            kw[key] = value
+    return fn, args, kw
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_trace_time_mistake_is_named(name, rng):
+    kind, change, exc, match = BAD[name]
+    fn, args, kw = _apply(_small_batches(rng)[kind], change)
+    with pytest.raises(exc, match=match):
+        fn(*args, **kw)
+
+
+def test_traced_static_argument_is_named(rng):
+    fn, (q, k, v, cu), kw = _small_batches(rng)["varlen"]
+    with pytest.raises(TypeError, match=r"max_seqlen must be a static Python int >= 1; got a traced int32\[\]"):
+        jax.jit(lambda m: fn(q, k, v, cu, max_seqlen=m))(8)
+    with pytest.raises(TypeError, match=r"softmax_scale must be None or a finite Python float > 0; got a traced"):
+        jax.jit(lambda s: fn(q, k, v, cu, max_seqlen=8, softmax_scale=s))(0.5)
+
+
+def test_merge_attention_states_shapes(rng):
+    outs = jnp.asarray(rng.standard_normal((2, 3, 2, D)), jnp.float32)
+    lses = jnp.asarray(rng.standard_normal((2, 3, 2)), jnp.float32)
+    out, lse = merge_attention_states(np.asarray(outs), np.asarray(lses).tolist())  # numpy and lists accepted
+    ref_out, ref_lse = reference.merge_attention_states(outs, lses)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"lses must be f32\[num_splits, \.\.\.\] = outs.shape\[:-1\] = \(2, 3, 2\); "
+                                         r"got \(2, 3\)"):
+        merge_attention_states(outs, lses[..., 0])
+    with pytest.raises(ValueError, match=r"need at least one split; got num_splits = 0"):
+        merge_attention_states(outs[:0], lses[:0])
+    square = outs[:, :2]  # [2, 2, 2, D]: lses [2, 2] would broadcast against [2, 2, 2]; it must not
+    with pytest.raises(ValueError, match=r"outs.shape\[:-1\] = \(2, 2, 2\); got \(2, 2\)"):
+        merge_attention_states(square, lses[:, :2][:, 0])
+
+
