@@ -1,7 +1,10 @@
-"""What the public functions do with awkward inputs: Python lists and numpy arrays, wrong static arguments.
+"""What the public functions do with awkward inputs: empty batches, Python lists and numpy arrays, wrong static
+arguments.
 
 * Lists, tuples and numpy arrays are converted (integer data to int32 where the argument is int32), and a new batch
   of the same shapes reuses the compiled program.
+* Empty batches (no request, no token, no page, no top-k slot) return zeros of the right shape and dtype (LSE
+  ``-inf`` where rows exist), equal to the reference; no kernel runs.
 * Every trace-time mistake is a ``TypeError`` / ``ValueError`` naming the argument, what it got and what it needs.
 
 Runtime on CPU: ~20 s (most cases raise before any kernel; a few compile one tiny kernel each).
@@ -120,6 +123,9 @@ BAD = {
     "list_of_strings": ("varlen", {3: ["0", "5", "8"]}, TypeError, r"cu_seqlens must be an array of numbers"),
     "ragged_block_tables": ("decode", {3: [[0, 1], [2]]}, TypeError, r"block_tables must be an array"),
     "float_list_for_int32": ("decode", {4: [6.0, 3.0]}, TypeError, r"seq_lens must be int32; got float32"),
+    "cu_seqlens_without_entries": ("varlen", {3: []}, ValueError,
+                                   r"cu_seqlens must be i32\[num_seqs \+ 1\] \(at least one entry: \[0\] for no "
+                                   r"request\); got shape \(0,\)"),
     "max_seqlen_bool": ("varlen", {"max_seqlen": True}, TypeError,
                         r"max_seqlen must be a static Python int >= 1; got max_seqlen=True \(bool\)"),
     "max_seqlen_zero": ("varlen", {"max_seqlen": 0}, ValueError, r"got max_seqlen=0"),
@@ -152,6 +158,8 @@ BAD = {
                            r"kv_lora_rank must be a static Python int >= 1; got kv_lora_rank=64.0"),
     "sparse_cu_query_lens_rank": ("sparse", {"cu_query_lens": [[0, 1, 2]]}, ValueError,
                                   r"cu_query_lens must be i32\[num_seqs \+ 1\] \(rank 1\); got shape \(1, 3\)"),
+    "sparse_topk_rows": ("sparse", {3: [[0, 1]]}, ValueError,
+                         r"topk_indices must be i32\[num_tokens=2, topk\]; got \(1, 2\)"),
     "missing_argument": ("paged", {"max_query_len": DROP}, TypeError, r"paged_attention\(\): missing a required"),
 }
 
@@ -200,5 +208,97 @@ def test_merge_attention_states_shapes(rng):
     square = outs[:, :2]  # [2, 2, 2, D]: lses [2, 2] would broadcast against [2, 2, 2]; it must not
     with pytest.raises(ValueError, match=r"outs.shape\[:-1\] = \(2, 2, 2\); got \(2, 2\)"):
         merge_attention_states(square, lses[:, :2][:, 0])
+
+
+# ------------------------------------------------------------------------------------------------ empty batches
+# name: rng -> (function, positional arrays, keyword arguments). Each batch has no key for any row.
+
+
+def _varlen(num_tokens, cu, dtype=jnp.float32):
+    def build(rng):
+        q, k = _rows(rng, num_tokens, 2, D, dtype), _rows(rng, num_tokens, 1, D, dtype)
+        return varlen_attention, (q, k, k, jnp.asarray(cu, I32)), dict(max_seqlen=8, config=PREFILL)
+    return build
+
+
+def _decode(num_seqs, max_blocks, num_blocks=3, lens=None):
+    def build(rng):
+        cache = _rows(rng, num_blocks * BS, 1, D).reshape(num_blocks, BS, 1, D)
+        seq_lens = jnp.zeros((num_seqs,), I32) if lens is None else jnp.asarray(lens, I32)
+        return (paged_decode_attention, (_rows(rng, num_seqs, 2, D), cache, cache, _i32(num_seqs, max_blocks),
+                                         seq_lens), dict(config=DECODE))
+    return build
+
+
+def _paged(num_tokens, num_seqs, max_blocks=2, num_blocks=3, seq_len=3):
+    def build(rng):
+        cache = _rows(rng, num_blocks * BS, 1, D).reshape(num_blocks, BS, 1, D)
+        return (paged_attention, (_rows(rng, num_tokens, 2, D), cache, cache, _i32(num_seqs, max_blocks),
+                                  jnp.full((num_seqs,), seq_len, I32), _i32(num_seqs + 1)),
+                dict(max_query_len=4, config=DECODE))
+    return build
+
+
+def _sparse(num_tokens, num_seqs, max_blocks=2, num_blocks=3, topk=4, with_cu=True):
+    def build(rng):
+        kv = _rows(rng, num_blocks * BS, 1, DQK).reshape(num_blocks, BS, DQK)
+        kw = dict(kv_lora_rank=RANK, config=SPARSE)
+        if with_cu:
+            kw["cu_query_lens"] = _i32(num_seqs + 1)
+        return (sparse_mla_attention, (_rows(rng, num_tokens, 4, DQK), kv, _i32(num_seqs, max_blocks),
+                                       jnp.zeros((num_tokens, topk), I32)), kw)
+    return build
+
+
+EMPTY = {
+    "varlen_no_request": _varlen(8, [0]),
+    "varlen_no_token": _varlen(0, [0, 0]),
+    "varlen_no_token_no_request": _varlen(0, [0]),
+    "varlen_no_request_bf16": _varlen(8, [0], jnp.bfloat16),
+    "decode_no_request": _decode(0, 1),
+    "decode_no_request_no_column": _decode(0, 0),
+    "decode_table_without_columns": _decode(2, 0),
+    "decode_empty_pool": _decode(2, 2, num_blocks=0),
+    "paged_no_request": _paged(4, 0),
+    "paged_no_token": _paged(0, 2),
+    "paged_no_token_no_request": _paged(0, 0),
+    "paged_table_without_columns": _paged(4, 2, max_blocks=0, seq_len=0),
+    "sparse_no_token": _sparse(0, 0),
+    "sparse_no_token_decode": _sparse(0, 0, with_cu=False),
+    "sparse_no_request": _sparse(3, 0),
+    "sparse_no_topk_slot": _sparse(2, 2, topk=0),
+    "sparse_table_without_columns": _sparse(2, 2, max_blocks=0),
+}
+
+
+def _reference(fn, args, kw):
+    kw = {k: v for k, v in kw.items() if k not in ("config",)}
+    return getattr(reference, fn.__name__)(*args, **kw, return_lse=True)
+
+
+@pytest.mark.parametrize("name", EMPTY)
+def test_empty_batch_gives_zeros(name, rng):
+    fn, args, kw = EMPTY[name](rng)
+    q = args[0]
+    out, lse = fn(*args, **kw, return_lse=True)
+    dim = RANK if fn is sparse_mla_attention else D
+    assert out.shape == (q.shape[0], q.shape[1], dim) and out.dtype == q.dtype
+    assert lse.shape == q.shape[:2] and lse.dtype == jnp.float32
+    assert np.all(np.asarray(out, np.float32) == 0) and np.all(np.asarray(lse) == -np.inf)
+    ref_out, ref_lse = _reference(fn, args, kw)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref_out))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.asarray(fn(*args, **kw)), np.asarray(out))  # return_lse=False: out only
+
+
+def test_all_empty_requests(rng):
+    """Requests that exist but hold nothing (a real kernel launch): zeros and -inf, as the reference."""
+    q, cu = random_packed(rng, [0, 0, 0], 2, D, jnp.float32, pad_to=5)
+    k, _ = random_packed(rng, [0, 0, 0], 1, D, jnp.float32, pad_to=5)
+    out, lse = varlen_attention(q, k, k, cu, max_seqlen=8, config=PREFILL, return_lse=True)
+    assert not np.any(np.asarray(out)) and np.all(np.asarray(lse) == -np.inf)
+    fn, args, kw = _decode(3, 2, lens=[0, 0, 0])(rng)
+    out, lse = fn(*args, **kw, return_lse=True)
+    assert not np.any(np.asarray(out)) and np.all(np.asarray(lse) == -np.inf)
 
 

@@ -7,6 +7,8 @@
   only converts, checks and calls: the compile cache stays the jitted function's own (a new batch of the same
   shapes reuses its program), and ``functools.wraps`` keeps the signature and docstring for ``help`` and docs.
 * :func:`renamed_argument`: a former argument name still accepted for one release, with a warning.
+* Inside the jitted body: :func:`no_rows` (the answer of an empty batch, before any kernel: the kernels' grids and
+  gathers need at least one row, one request and one page).
 """
 
 from __future__ import annotations
@@ -111,3 +113,11 @@ def renamed_argument(old: str, new: str):
         return wrapper
 
     return decorate
+
+
+def no_rows(rows: int, heads: int, dim: int, dtype, return_lse: bool):
+    """The result of a batch in which no row sees a key (no tokens, no requests, no pages): ``out`` zeros
+    ``dtype[rows, heads, dim]`` and ``lse`` ``f32[rows, heads]`` all ``-inf`` (the kernels' convention for a row
+    that sees no key, and for padding rows)."""
+    out = jnp.zeros((rows, heads, dim), dtype)
+    return (out, jnp.full((rows, heads), -jnp.inf, jnp.float32)) if return_lse else out

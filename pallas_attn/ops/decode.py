@@ -61,8 +61,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
       config: :class:`pallas_attn.core.config.DecodeConfig`; None → tuned default.
 
     Returns:
-      ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``). Array arguments may be numpy arrays or
-      lists (converted; integer lists to int32).
+      ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``). ``num_seqs == 0``, ``max_blocks == 0``
+      or an empty page pool give zeros (LSE -inf) without a kernel. Array arguments may be numpy arrays or lists
+      (converted; integer lists to int32).
 
     Example:
       >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
@@ -72,6 +73,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
     splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2],
                                                    block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
                                                    num_splits, split_size)
+    if 0 in (q.shape[0], block_tables.shape[1], k_cache.shape[0]):  # no request, no page: no key, no kernel
+        return common.no_rows(*q.shape, q.dtype, return_lse)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     run = functools.partial(triton_decode.paged_decode_triton, scale=float(scale), num_splits=splits,
                             split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg)

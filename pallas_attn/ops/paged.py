@@ -60,8 +60,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         prefill-sized tiles; default :func:`pallas_attn.core.config.default_chunk_config`.
 
     Returns:
-      ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``). Array arguments may be numpy arrays or
-      lists (converted; integer lists to int32).
+      ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``). No tokens, no request
+      (``cu_query_lens == [0]``: every row is padding), ``max_blocks == 0`` or an empty page pool give zeros (LSE
+      -inf) without a kernel. Array arguments may be numpy arrays or lists (converted; integer lists to int32).
 
     Example:
       >>> md = build_metadata(query_lens=[1, 6, 512], context_lens=[900, 4000, 0], block_size=16)
@@ -94,6 +95,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         work_blocks = max(block_tables.shape[0], pl.cdiv(q.shape[0], block_q))
         splits, split_size = config_lib.resolve_splits(work_blocks * k_cache.shape[2], capacity, split_block_n,
                                                        num_splits, split_size)
+    if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_cache.shape[0]):
+        return common.no_rows(*q.shape, q.dtype, return_lse)  # no token, request or page: no key, no kernel
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     run = functools.partial(triton_paged.ragged_paged_triton, max_query_len=max_query_len, scale=float(scale),
                             num_splits=splits, split_size=split_size, interpret=backend.resolve_interpret(interpret),

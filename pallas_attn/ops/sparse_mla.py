@@ -36,9 +36,8 @@ def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_ra
     validation.check_int32("block_tables", block_tables)
     validation.check_rank("topk_indices", topk_indices, 2, "i32[num_tokens, topk]")
     validation.check_int32("topk_indices", topk_indices)
-    if topk_indices.shape[0] != q.shape[0] or topk_indices.shape[1] < 1:
-        raise ValueError(f"topk_indices must be i32[num_tokens={q.shape[0]}, topk >= 1]; "
-                         f"got {tuple(topk_indices.shape)}")
+    if topk_indices.shape[0] != q.shape[0]:
+        raise ValueError(f"topk_indices must be i32[num_tokens={q.shape[0]}, topk]; got {tuple(topk_indices.shape)}")
     if cu_query_lens is None:
         if block_tables.shape[0] != q.shape[0]:
             raise ValueError(f"without cu_query_lens every token is its own request: block_tables must be "
@@ -101,8 +100,9 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
         :func:`default_backend` — Mosaic on a compiled sm_90 GPU at 576 / 512 dims where it applies, else Triton.
 
     Returns:
-      ``out [num_tokens, num_heads, kv_lora_rank]`` in q's dtype (and ``lse``). Array arguments may be numpy arrays
-      or lists (converted; integer lists to int32).
+      ``out [num_tokens, num_heads, kv_lora_rank]`` in q's dtype (and ``lse``). No tokens, no request (every token
+      padding), ``topk == 0``, ``max_blocks == 0`` or an empty pool give zeros (LSE -inf) without a kernel. Array
+      arguments may be numpy arrays or lists (converted; integer lists to int32).
 
     Example:
       >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request
@@ -113,6 +113,9 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     backend = backend_lib.select_backend(
         backend, config=config, default=lambda: default_backend(q, kv_lora_rank, interpret),
         mosaic_unsupported=lambda: "interpret mode" if interpret else mosaic_sparse.supported(q, kv_lora_rank))
+    if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], kv_cache.shape[0], topk_indices.shape[1]):
+        # no token, request, page or index: no key, no kernel
+        return common.no_rows(q.shape[0], q.shape[1], kv_lora_rank, q.dtype, return_lse)
     num_tokens = q.shape[0]
     token_req = (jnp.arange(num_tokens, dtype=jnp.int32) if cu_query_lens is None
                  else metadata.token_requests(cu_query_lens, num_tokens))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from pallas_attn.core import backend as backend_lib, config as config_lib, validation
 from pallas_attn.kernels.mosaic import prefill as mosaic_prefill
@@ -29,8 +28,9 @@ def _validate(q, k, v, cu_seqlens):
     validation.check_gqa(q.shape[1], k.shape[1])
     validation.check_rank("cu_seqlens", cu_seqlens, 1, "i32[num_seqs + 1]")
     validation.check_int32("cu_seqlens", cu_seqlens)
-    if cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be i32[num_seqs + 1] with num_seqs >= 1; got {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be i32[num_seqs + 1] (at least one entry: [0] for no request); got "
+                         f"shape {tuple(cu_seqlens.shape)}")
 
 
 BACKENDS = backend_lib.BACKENDS
@@ -71,6 +71,7 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       k, v: ``[num_tokens, num_kv_heads, head_dim]``, same dtype; ``num_q_heads % num_kv_heads == 0`` (GQA/MQA).
       cu_seqlens: ``i32[num_seqs + 1]``, non-decreasing from 0; request ``b`` owns rows
         ``[cu_seqlens[b], cu_seqlens[b+1])``. Rows at or past ``cu_seqlens[-1]`` are padding (output 0).
+        ``[0]`` (no request) and ``num_tokens == 0`` are valid: zeros (LSE -inf), no kernel launched.
       max_seqlen: static Python int >= 1 bounding every request's length (bucket it, e.g. next power of two, so
         batches share one compiled program). A longer request is silently truncated: check with
         :func:`pallas_attn.checked`.
@@ -98,13 +99,13 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       >>> out = varlen_attention(q, k, v, cu, max_seqlen=8)
     """
     _validate(q, k, v, cu_seqlens)
-    if q.shape[0] == 0:  # no tokens: the kernels' grids and gathers need at least one row
-        return (q, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else q
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
         backend, config=config, default=lambda: default_backend(q, k, max_seqlen, interpret),
         mosaic_unsupported=lambda: mosaic_prefill.supported(q, k), config_types=CONFIG_TYPES)
+    if q.shape[0] == 0 or cu_seqlens.shape[0] == 1:  # no tokens or no request: every row is padding, no kernel
+        return common.no_rows(*q.shape, q.dtype, return_lse)
     if backend == "mosaic":
         run = functools.partial(mosaic_prefill.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
                                 scale=float(scale), return_lse=return_lse, interpret=interpret,
