@@ -1,17 +1,20 @@
 """What the public functions do with awkward inputs: empty batches, Python lists and numpy arrays, wrong static
-arguments.
+arguments, differentiation.
 
 * Lists, tuples and numpy arrays are converted (integer data to int32 where the argument is int32), and a new batch
   of the same shapes reuses the compiled program.
 * Empty batches (no request, no token, no page, no top-k slot) return zeros of the right shape and dtype (LSE
   ``-inf`` where rows exist), equal to the reference; no kernel runs.
 * Every trace-time mistake is a ``TypeError`` / ``ValueError`` naming the argument, what it got and what it needs.
+* ``jax.grad`` / ``jax.jvp`` / ``jax.vjp`` raise ``NotImplementedError`` naming the function; a plain call lowers to
+  the same program as without that guard.
 
 Runtime on CPU: ~20 s (most cases raise before any kernel; a few compile one tiny kernel each).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
@@ -30,7 +33,7 @@ from pallas_attn import (
     sparse_mla_attention,
     varlen_attention,
 )
-from pallas_attn.ops import varlen as varlen_ops
+from pallas_attn.ops import common, varlen as varlen_ops
 from pallas_attn.testing import make_paged_kv, random_packed
 
 PREFILL = PrefillConfig(block_m=16, block_n=16)
@@ -300,5 +303,46 @@ def test_all_empty_requests(rng):
     fn, args, kw = _decode(3, 2, lens=[0, 0, 0])(rng)
     out, lse = fn(*args, **kw, return_lse=True)
     assert not np.any(np.asarray(out)) and np.all(np.asarray(lse) == -np.inf)
+
+
+# ------------------------------------------------------------------------------------------- differentiation
+DIFFERENTIATE = {
+    "grad": lambda f, x: jax.grad(lambda x: f(x).sum())(x),
+    "jvp": lambda f, x: jax.jvp(f, (x,), (x,)),
+    "vjp": lambda f, x: jax.vjp(f, x),
+}
+
+
+@pytest.mark.parametrize("how", DIFFERENTIATE)
+@pytest.mark.parametrize("kind", ["varlen", "decode", "paged", "sparse"])
+def test_differentiation_raises_naming_the_function(kind, how, rng):
+    fn, args, kw = _small_batches(rng)[kind]
+    of_q = lambda q: fn(q, *args[1:], **kw)
+    with pytest.raises(NotImplementedError, match=rf"^{fn.__name__} has no backward pass yet; jax.grad"):
+        DIFFERENTIATE[how](of_q, args[0])
+
+
+def test_stop_gradient_lets_the_rest_differentiate(rng):
+    """The workaround the error names: a kernel fed stop_gradient inputs is a constant to jax.grad."""
+    fn, (q, k, v, cu), kw = _small_batches(rng)["varlen"]
+    grad = jax.grad(lambda x: (fn(jax.lax.stop_gradient(x), k, v, cu, **kw) + x).sum())(q)
+    np.testing.assert_array_equal(np.asarray(grad), np.ones(q.shape, np.float32))
+
+
+def test_guard_costs_nothing_at_runtime(rng, monkeypatch):
+    """A plain call traces one custom_jvp_call around the kernel and lowers to exactly the program it lowers to
+    without the guard."""
+    fn, args, kw = _small_batches(rng)["varlen"]
+    call = functools.partial(fn, **kw)
+    inner = jax.make_jaxpr(call)(*args).eqns[0].params["jaxpr"]  # the jitted function's body
+    assert [e.primitive.name for e in inner.eqns] == ["custom_jvp_call"]
+    jax.clear_caches()  # trace afresh below (caches only: no semantics)
+    guarded = jax.jit(call).lower(*args).as_text()
+    monkeypatch.setattr(common, "no_backward", lambda name, f: f)
+    jax.clear_caches()
+    inner = jax.make_jaxpr(call)(*args).eqns[0].params["jaxpr"]
+    assert "custom_jvp_call" not in [e.primitive.name for e in inner.eqns]
+    assert jax.jit(call).lower(*args).as_text() == guarded
+    jax.clear_caches()
 
 

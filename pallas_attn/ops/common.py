@@ -8,7 +8,8 @@
   shapes reuses its program), and ``functools.wraps`` keeps the signature and docstring for ``help`` and docs.
 * :func:`renamed_argument`: a former argument name still accepted for one release, with a warning.
 * Inside the jitted body: :func:`no_rows` (the answer of an empty batch, before any kernel: the kernels' grids and
-  gathers need at least one row, one request and one page).
+  gathers need at least one row, one request and one page) and :func:`no_backward` (differentiation raises
+  ``NotImplementedError`` naming the function instead of Pallas' bare ``AssertionError``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from pallas_attn.core import validation
@@ -121,3 +123,20 @@ def no_rows(rows: int, heads: int, dim: int, dtype, return_lse: bool):
     that sees no key, and for padding rows)."""
     out = jnp.zeros((rows, heads, dim), dtype)
     return (out, jnp.full((rows, heads), -jnp.inf, jnp.float32)) if return_lse else out
+
+
+def no_backward(name: str, fn: Callable) -> Callable:
+    """``fn`` (arrays → arrays) as a :func:`jax.custom_jvp` whose rule raises ``NotImplementedError`` naming
+    ``name``: ``jax.grad`` / ``jax.jvp`` / ``jax.vjp`` through a kernel fail loudly at trace time. A plain call
+    runs ``fn`` unchanged (the ``custom_jvp_call`` is inlined when lowered: no runtime cost). Close over static
+    arguments (``functools.partial``); integer arrays are fine as arguments."""
+    guarded = jax.custom_jvp(fn)
+
+    def rule(primals, tangents):
+        del primals, tangents
+        raise NotImplementedError(
+            f"{name} has no backward pass yet; jax.grad, jax.jvp and jax.vjp cannot differentiate it. To "
+            f"differentiate the rest of a model around it, pass its inputs through jax.lax.stop_gradient")
+
+    guarded.defjvp(rule)
+    return guarded

@@ -63,7 +63,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
     Returns:
       ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``). ``num_seqs == 0``, ``max_blocks == 0``
       or an empty page pool give zeros (LSE -inf) without a kernel. Array arguments may be numpy arrays or lists
-      (converted; integer lists to int32).
+      (converted; integer lists to int32). No backward pass: ``jax.grad`` raises ``NotImplementedError``.
 
     Example:
       >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
@@ -78,5 +78,5 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     run = functools.partial(triton_decode.paged_decode_triton, scale=float(scale), num_splits=splits,
                             split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg)
-    out, lse = run(q, k_cache, v_cache, block_tables, seq_lens)
+    out, lse = common.no_backward("paged_decode_attention", run)(q, k_cache, v_cache, block_tables, seq_lens)
     return (out, lse) if return_lse else out

@@ -63,6 +63,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``). No tokens, no request
       (``cu_query_lens == [0]``: every row is padding), ``max_blocks == 0`` or an empty page pool give zeros (LSE
       -inf) without a kernel. Array arguments may be numpy arrays or lists (converted; integer lists to int32).
+      No backward pass: ``jax.grad`` raises ``NotImplementedError``.
 
     Example:
       >>> md = build_metadata(query_lens=[1, 6, 512], context_lens=[900, 4000, 0], block_size=16)
@@ -101,6 +102,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     run = functools.partial(triton_paged.ragged_paged_triton, max_query_len=max_query_len, scale=float(scale),
                             num_splits=splits, split_size=split_size, interpret=backend.resolve_interpret(interpret),
                             cfg=cfg, chunk_cfg=chunk_cfg, short_splits=short_splits)
-    out, lse = run(q, k_cache, v_cache, block_tables, seq_lens,
+    out, lse = common.no_backward("paged_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,
                                                           cu_query_lens)
     return (out, lse) if return_lse else out

@@ -102,7 +102,8 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     Returns:
       ``out [num_tokens, num_heads, kv_lora_rank]`` in q's dtype (and ``lse``). No tokens, no request (every token
       padding), ``topk == 0``, ``max_blocks == 0`` or an empty pool give zeros (LSE -inf) without a kernel. Array
-      arguments may be numpy arrays or lists (converted; integer lists to int32).
+      arguments may be numpy arrays or lists (converted; integer lists to int32). No backward pass: ``jax.grad``
+      raises ``NotImplementedError``.
 
     Example:
       >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request
@@ -127,5 +128,5 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     else:
         run = functools.partial(triton_sparse.sparse_mla_triton, kv_lora_rank=kv_lora_rank, scale=float(scale),
                                 interpret=interpret, cfg=config or config_lib.default_sparse_config(q.shape[1]))
-    out, lse = run(q, kv_cache, block_tables, topk_indices, token_req)
+    out, lse = common.no_backward("sparse_mla_attention", run)(q, kv_cache, block_tables, topk_indices, token_req)
     return (out, lse) if return_lse else out

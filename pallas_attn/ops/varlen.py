@@ -92,7 +92,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked). Array arguments may be
-      numpy arrays or lists (converted; integer lists to int32).
+      numpy arrays or lists (converted; integer lists to int32). No backward pass: ``jax.grad`` raises
+      ``NotImplementedError``.
 
     Example:
       >>> cu = jnp.array([0, 6, 10], jnp.int32)          # request A: 6 tokens, B: 4 tokens
@@ -110,9 +111,9 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         run = functools.partial(mosaic_prefill.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
                                 scale=float(scale), return_lse=return_lse, interpret=interpret,
                                 cfg=config or config_lib.MosaicPrefillConfig())
-        out, lse = run(q, k, v, cu_seqlens)
+        out, lse = common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens)
         return (out, lse) if return_lse else out
     cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
     run = functools.partial(triton_prefill.varlen_attention_triton, max_seqlen=max_seqlen, causal=causal,
                             scale=float(scale), return_lse=return_lse, interpret=interpret, cfg=cfg)
-    return run(q, k, v, cu_seqlens)
+    return common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens)
