@@ -1,15 +1,17 @@
 """What the public functions do with awkward inputs: empty batches, Python lists and numpy arrays, wrong static
-arguments, differentiation.
+arguments, differentiation, and ``checked`` inside ``jax.jit``.
 
+* Empty batches (no request, no token, no page, no top-k slot) return zeros of the right shape and dtype (LSE
+  ``-inf`` where rows exist), equal to the reference, plain and under ``checked``; no kernel runs.
 * Lists, tuples and numpy arrays are converted (integer data to int32 where the argument is int32), and a new batch
   of the same shapes reuses the compiled program.
-* Empty batches (no request, no token, no page, no top-k slot) return zeros of the right shape and dtype (LSE
-  ``-inf`` where rows exist), equal to the reference; no kernel runs.
 * Every trace-time mistake is a ``TypeError`` / ``ValueError`` naming the argument, what it got and what it needs.
 * ``jax.grad`` / ``jax.jvp`` / ``jax.vjp`` raise ``NotImplementedError`` naming the function; a plain call lowers to
   the same program as without that guard.
+* ``checked`` inside ``jax.jit``: raises at once, showing ``jax.jit(checkify.checkify(step))`` + ``err.throw()``;
+  with that pattern it works and the error names the argument.
 
-Runtime on CPU: ~20 s (most cases raise before any kernel; a few compile one tiny kernel each).
+Runtime on CPU: ~20 s (most cases raise or return before any kernel; a few compile one tiny kernel each).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 from pallas_attn import (
     DecodeConfig,
     PrefillConfig,
     SparseConfig,
+    checked,
     merge_attention_states,
     paged_attention,
     paged_decode_attention,
@@ -84,9 +88,9 @@ def test_lists_and_numpy_arrays_are_accepted(kind, rng):
     want = fn(*args, **kw, return_lse=True)
     host = tuple(_as_host(a) for a in args)
     assert isinstance(host[3], list)
-    got = fn(*host, **kw, return_lse=True)
-    for w, g in zip(want, got):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for got in (fn(*host, **kw, return_lse=True), checked(fn)(*host, **kw, return_lse=True)):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_list_batches_reuse_the_compiled_program(rng, monkeypatch):
@@ -186,6 +190,8 @@ def test_trace_time_mistake_is_named(name, rng):
     fn, args, kw = _apply(_small_batches(rng)[kind], change)
     with pytest.raises(exc, match=match):
         fn(*args, **kw)
+    with pytest.raises(exc, match=match):  # the same error through safe mode, before any value is checked
+        checked(fn)(*args, **kw)
 
 
 def test_traced_static_argument_is_named(rng):
@@ -194,6 +200,13 @@ def test_traced_static_argument_is_named(rng):
         jax.jit(lambda m: fn(q, k, v, cu, max_seqlen=m))(8)
     with pytest.raises(TypeError, match=r"softmax_scale must be None or a finite Python float > 0; got a traced"):
         jax.jit(lambda s: fn(q, k, v, cu, max_seqlen=8, softmax_scale=s))(0.5)
+
+
+def test_checked_sparse_seq_lens_shape(rng):
+    fn, args, kw = _small_batches(rng)["sparse"]
+    with pytest.raises(ValueError, match=r"seq_lens must be i32\[num_seqs\] with num_seqs = block_tables.shape\[0\] "
+                                         r"= \(2,\); got \(3,\)"):
+        checked(fn)(*args, **kw, seq_lens=[6, 3, 1])
 
 
 def test_merge_attention_states_shapes(rng):
@@ -293,6 +306,25 @@ def test_empty_batch_gives_zeros(name, rng):
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
     np.testing.assert_array_equal(np.asarray(fn(*args, **kw)), np.asarray(out))  # return_lse=False: out only
 
+    # Safe mode: nothing to report; the same zeros.
+    got, got_lse = checked(fn)(*args, **kw, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(lse))
+
+
+def test_empty_batch_under_jit_and_checkify(rng):
+    fn, args, kw = EMPTY["paged_no_request"](rng)
+    err, out = jax.jit(checkify.checkify(functools.partial(checked(fn), **kw)))(*args)
+    err.throw()
+    assert out.shape == args[0].shape and not np.any(np.asarray(out))
+
+
+def test_empty_request_table_is_still_checked(rng):
+    """No request, but a boundary vector that is not [0]: checked reports it like any other."""
+    fn, args, kw = EMPTY["varlen_no_request"](rng)
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0; got cu_seqlens\[0\]=3"):
+        checked(fn)(*args[:3], jnp.array([3], I32), **kw)
+
 
 def test_all_empty_requests(rng):
     """Requests that exist but hold nothing (a real kernel launch): zeros and -inf, as the reference."""
@@ -301,8 +333,24 @@ def test_all_empty_requests(rng):
     out, lse = varlen_attention(q, k, k, cu, max_seqlen=8, config=PREFILL, return_lse=True)
     assert not np.any(np.asarray(out)) and np.all(np.asarray(lse) == -np.inf)
     fn, args, kw = _decode(3, 2, lens=[0, 0, 0])(rng)
+    out, lse = checked(fn)(*args, **kw, return_lse=True)
+    assert not np.any(np.asarray(out)) and np.all(np.asarray(lse) == -np.inf)
+
+
+def test_corrupt_lengths_are_data_not_trace_errors(rng):
+    """Lengths past an empty pool / a table without columns are data: the plain call clamps and masks them (zeros,
+    as the reference), only safe mode reports them."""
+    fn, args, kw = _decode(2, 2, num_blocks=0)(rng)
+    args = (*args[:4], jnp.array([3, 5], I32))
     out, lse = fn(*args, **kw, return_lse=True)
     assert not np.any(np.asarray(out)) and np.all(np.asarray(lse) == -np.inf)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 0\]=0 is not a page id in \[0, num_blocks=0\)"):
+        checked(fn)(*args, **kw)
+    fn, args, kw = _paged(4, 2, max_blocks=0)(rng)
+    args = (*args[:5], jnp.array([0, 1, 3], I32))
+    np.testing.assert_array_equal(np.asarray(fn(*args, **kw)), np.asarray(_reference(fn, args, kw)[0]))
+    with pytest.raises(ValueError, match=r"block_tables is too narrow: request 0 has seq_lens=3"):
+        checked(fn)(*args, **kw)
 
 
 # ------------------------------------------------------------------------------------------- differentiation
@@ -346,3 +394,32 @@ def test_guard_costs_nothing_at_runtime(rng, monkeypatch):
     jax.clear_caches()
 
 
+# --------------------------------------------------------------------------------------- checked inside jit
+
+
+def test_checked_inside_jit_without_checkify_raises_with_the_pattern(rng):
+    fn, args, kw = _small_batches(rng)["varlen"]
+    step = lambda *a: checked(fn)(*a, **kw)
+    with pytest.raises(ValueError, match=r"checked\(varlen_attention\) was called inside jax.jit") as info:
+        jax.jit(step)(*args)
+    message = str(info.value)
+    assert "jax.jit(checkify.checkify(step))" in message and "err.throw()" in message
+    with pytest.raises(ValueError, match=r"checked\(paged_decode_attention\) was called inside jax.jit"):
+        fn, args, kw = _small_batches(rng)["decode"]
+        jax.jit(lambda *a: jax.lax.cond(True, lambda: checked(fn)(*a, **kw), lambda: fn(*a, **kw)))(*args)
+
+
+def test_checked_inside_jit_of_checkify(rng):
+    """The documented pattern: jax.jit(checkify.checkify(step)); good data gives the kernel's output, bad data an
+    error naming the argument (and zeros: the kernel is skipped)."""
+    fn, args, kw = _small_batches(rng)["varlen"]
+    step = jax.jit(checkify.checkify(lambda *a: checked(fn)(*a, **kw, return_lse=True)))
+    err, got = step(*args)
+    err.throw()
+    for w, g in zip(fn(*args, **kw, return_lse=True), got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    err, (out, _) = step(*args[:3], jnp.array([0, 9, 8], I32))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing; request 1 has cu_seqlens\[1\]=9 > "
+                                         r"cu_seqlens\[2\]=8"):
+        err.throw()
+    assert not np.any(np.asarray(out))
