@@ -31,12 +31,23 @@ Example::
     CheckError: varlen_attention: cu_seqlens must be non-decreasing; request 1 has cu_seqlens[1]=6 >
     cu_seqlens[2]=4 (failed at ...)
 
-Inside your own ``jax.jit``: the checks cannot throw from a traced function, so they are emitted as plain
-``checkify.check`` calls and the kernel runs only when they pass (``lax.cond``; otherwise it returns zeros, so a bad
-page id never reaches the GPU). Functionalize the outer function and throw yourself::
+Empty batches (no request, no token, no page) are checked like any other (``cu_seqlens = [0]`` passes) and the
+kernel returns zeros for them.
 
-    >>> err, out = checkify.checkify(jax.jit(lambda *a: safe_varlen(*a, max_seqlen=8)))(q, k, v, cu)
+Inside your own ``jax.jit``: a check cannot raise from inside a compiled program, so ``checked`` emits its rules as
+``checkify.check`` calls into your trace and runs the kernel only when they pass (``lax.cond``; otherwise it returns
+zeros, so a bad page id never reaches the GPU). Functionalize the step with ``checkify.checkify`` and throw on the
+host; the error's message is the failing rule's, naming the argument::
+
+    >>> from jax.experimental import checkify
+    >>> def step(q, k, v, cu):
+    ...     return safe_varlen(q, k, v, cu, max_seqlen=8)
+    >>> err, out = jax.jit(checkify.checkify(step))(q, k, v, cu)     # or checkify.checkify(jax.jit(step))
     >>> err.throw()
+    JaxRuntimeError: cu_seqlens must be non-decreasing; request 1 has cu_seqlens[1]=6 > cu_seqlens[2]=4 ...
+
+Called inside ``jax.jit`` (or ``lax.cond`` / ``lax.scan``) with no ``checkify.checkify`` around it, ``checked``
+raises ``ValueError`` at once, showing that pattern (JAX itself would only fail later, when compiling the caller).
 """
 
 from __future__ import annotations
@@ -50,8 +61,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from pallas_attn.core import validation
 from pallas_attn.core.metadata import token_requests
-from pallas_attn.ops.decode import paged_decode_attention, renamed_argument
+from pallas_attn.ops import decode as decode_ops, paged as paged_ops, sparse_mla as sparse_ops, varlen as varlen_ops
+from pallas_attn.ops.common import renamed_argument
+from pallas_attn.ops.decode import paged_decode_attention
 from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.sparse_mla import sparse_mla_attention
 from pallas_attn.ops.varlen import varlen_attention
@@ -67,8 +81,20 @@ class CheckError(ValueError):
 
 
 def _first(bad):
-    """Index of the first True of ``bad`` (any rank; a flat index for rank > 1)."""
+    """Index of the first True of ``bad`` (any rank; a flat index for rank > 1); 0 when ``bad`` is empty."""
+    if bad.size == 0:  # an empty batch: nothing is bad, the index only feeds a message that is never shown
+        return jnp.int32(0)
     return jnp.argmax(bad.reshape(-1)).astype(jnp.int32)
+
+
+def _at(x, *index):
+    """``x[index]`` for a message; 0 when ``x`` is empty (an empty batch has no position to report)."""
+    return x[index] if x.size else jnp.zeros((), x.dtype)
+
+
+def _gather(x, rows):
+    """``x[rows]`` along axis 0; zeros of that shape when ``x`` has no rows (no request)."""
+    return x[rows] if x.shape[0] else jnp.zeros(rows.shape + x.shape[1:], x.dtype)
 
 
 def _require(bad, msg: str, **fmt) -> jax.Array:
@@ -85,7 +111,7 @@ def _check_cu(name: str, cu, num_tokens: int, max_len: int | None) -> tuple[jax.
     dec = lens < 0
     b = _first(dec)
     oks.append(_require(dec, f"{name} must be non-decreasing; request {{b}} has {name}[{{b}}]={{lo}} > "
-                             f"{name}[{{b1}}]={{hi}}", b=b, b1=b + 1, lo=cu[b], hi=cu[b + 1]))
+                             f"{name}[{{b1}}]={{hi}}", b=b, b1=b + 1, lo=_at(cu, b), hi=_at(cu, b + 1)))
     oks.append(_require(cu[-1] > num_tokens, f"{name}[-1]={{v}} must be <= num_tokens={num_tokens} (q.shape[0])",
                         v=cu[-1]))
     if max_len is not None:
@@ -94,14 +120,14 @@ def _check_cu(name: str, cu, num_tokens: int, max_len: int | None) -> tuple[jax.
         b = _first(long)
         oks.append(_require(long, f"request {{b}} has length {{n}} ({name}[{{b1}}] - {name}[{{b}}]) > "
                                   f"{arg}={max_len}; the kernel would silently truncate it", b=b, b1=b + 1,
-                            n=lens[b]))
+                            n=_at(lens, b)))
     return jnp.stack(oks).all(), lens
 
 
 def _check_nonneg(name: str, lens) -> jax.Array:
     neg = lens < 0
     b = _first(neg)
-    return _require(neg, f"{name} must be >= 0; {name}[{{b}}]={{v}}", b=b, v=lens[b])
+    return _require(neg, f"{name} must be >= 0; {name}[{{b}}]={{v}}", b=b, v=_at(lens, b))
 
 
 def _check_pages(lens, block_tables, num_blocks: int, block_size: int, len_name: str) -> jax.Array:
@@ -112,14 +138,14 @@ def _check_pages(lens, block_tables, num_blocks: int, block_size: int, len_name:
     b = _first(wide)
     ok_wide = _require(wide, f"block_tables is too narrow: request {{b}} has {len_name}={{n}}, which needs "
                              f"{{p}} pages of block_size={block_size}, but max_blocks={max_blocks}",
-                       b=b, n=lens[b], p=pages[b])
+                       b=b, n=_at(lens, b), p=_at(pages, b))
     used = jnp.arange(max_blocks)[None, :] < pages[:, None]  # bool[B, max_blocks]
     bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
     i = _first(bad)
-    b, p = i // max_blocks, i % max_blocks
+    b, p = i // max(max_blocks, 1), i % max(max_blocks, 1)
     ok_range = _require(bad, f"block_tables[{{b}}, {{p}}]={{v}} is not a page id in [0, num_blocks={num_blocks}) "
                              f"but request {{b}} uses page {{p}} ({len_name}={{n}}, block_size={block_size})",
-                        b=b, p=p, v=block_tables[b, p], n=lens[b])
+                        b=b, p=p, v=_at(block_tables, b, p), n=_at(lens, b))
     return ok_wide & ok_range
 
 
@@ -145,7 +171,7 @@ def _paged_rules(a) -> jax.Array:
     over = q_lens > seq_lens
     b = _first(over)
     ok &= _require(over, "request {b} has q_len={n} new tokens > seq_lens[{b}]={s} keys (its new tokens must "
-                         "already be in the cache)", b=b, n=q_lens[b], s=seq_lens[b])
+                         "already be in the cache)", b=b, n=_at(q_lens, b), s=_at(seq_lens, b))
     return ok & _check_pages(seq_lens, a["block_tables"], k_cache.shape[0], k_cache.shape[1], "seq_lens")
 
 
@@ -168,48 +194,72 @@ def _sparse_rules(a) -> jax.Array:
 
     def at(bad):  # (token, slot) of the first bad entry
         i = _first(bad)
-        return i // topk_len, i % topk_len
+        return i // max(topk_len, 1), i % max(topk_len, 1)
 
     bad = real & (topk < -1)
     t, j = at(bad)
-    ok &= _require(bad, "topk_indices[{t}, {j}]={v} must be >= 0, or -1 for an unused slot", t=t, j=j, v=topk[t, j])
+    ok &= _require(bad, "topk_indices[{t}, {j}]={v} must be >= 0, or -1 for an unused slot", t=t, j=j,
+                   v=_at(topk, t, j))
     valid = real & (topk >= 0)
     if seq_lens is not None:
         ok &= _check_nonneg("seq_lens", seq_lens)
         ok &= _check_pages(seq_lens, tables, num_blocks, block_size, "seq_lens")
-        limit = seq_lens[req_safe][:, None]  # i32[T, 1]
+        limit = _gather(seq_lens, req_safe)[:, None]  # i32[T, 1]
         bad = valid & (topk >= limit)
         t, j = at(bad)
+        b = _at(req_safe, t)
         ok &= _require(bad, "topk_indices[{t}, {j}]={v} must be < seq_lens[{b}]={n} (token {t} belongs to "
-                            "request {b})", t=t, j=j, v=topk[t, j], b=req_safe[t], n=seq_lens[req_safe[t]])
+                            "request {b})", t=t, j=j, v=_at(topk, t, j), b=b, n=_at(seq_lens, b))
     else:
         capacity = max_blocks * block_size
         bad = valid & (topk >= capacity)
         t, j = at(bad)
         ok &= _require(bad, f"topk_indices[{{t}}, {{j}}]={{v}} must be < max_blocks * block_size = {capacity} "
-                            f"(pass seq_lens= to check against each request's length)", t=t, j=j, v=topk[t, j])
+                            f"(pass seq_lens= to check against each request's length)", t=t, j=j,
+                       v=_at(topk, t, j))
+        if max_blocks == 0:  # no page at all: every index >= 0 already failed the capacity rule
+            return ok
         page_idx = jnp.clip(topk // block_size, 0, max_blocks - 1)
-        page = jnp.take_along_axis(tables[req_safe], page_idx, axis=1)  # i32[T, topk]
+        page = jnp.take_along_axis(_gather(tables, req_safe), page_idx, axis=1)  # i32[T, topk]
         bad = valid & (topk < capacity) & ((page < 0) | (page >= num_blocks))
         t, j = at(bad)
         ok &= _require(bad, f"topk_indices[{{t}}, {{j}}]={{v}} lands on block_tables[{{b}}, {{p}}]={{g}}, not a "
-                            f"page id in [0, num_blocks={num_blocks})", t=t, j=j, v=topk[t, j], b=req_safe[t],
-                       p=page_idx[t, j], g=page[t, j])
+                            f"page id in [0, num_blocks={num_blocks})", t=t, j=j, v=_at(topk, t, j),
+                       b=_at(req_safe, t), p=_at(page_idx, t, j), g=_at(page, t, j))
     return ok
+
+
+def _validate_sparse(a) -> None:
+    sparse_ops._validate(a["q"], a["kv_cache"], a["block_tables"], a["topk_indices"], a["cu_query_lens"],
+                         a["kv_lora_rank"])
+    if a["seq_lens"] is not None:  # the wrapper's own argument
+        validation.check_rank("seq_lens", a["seq_lens"], 1, "i32[num_seqs]")
+        validation.check_int32("seq_lens", a["seq_lens"])
+        validation.check_shape("seq_lens", a["seq_lens"], (a["block_tables"].shape[0],),
+                               "i32[num_seqs] with num_seqs = block_tables.shape[0]")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     rules: Callable  # bound arguments -> scalar bool (emits checkify.check calls)
+    validate: Callable  # bound arguments -> None: the kernel's own static (shape / dtype) rules, raised first
     arrays: tuple[str, ...]  # traced arguments; every other argument is static
-    extra: tuple[str, ...] = ()  # keyword arguments of the wrapper only (not passed to the kernel)
+    extra: tuple[str, ...] = ()  # keyword arguments of the wrapper only (int32 arrays, not passed to the kernel)
 
 
 _SPECS: dict[Callable, _Spec] = {
-    varlen_attention: _Spec(_varlen_rules, ("q", "k", "v", "cu_seqlens")),
-    paged_decode_attention: _Spec(_decode_rules, ("q", "k_cache", "v_cache", "block_tables", "seq_lens")),
-    paged_attention: _Spec(_paged_rules, ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_query_lens")),
-    sparse_mla_attention: _Spec(_sparse_rules, ("q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens"),
+    varlen_attention: _Spec(_varlen_rules, lambda a: varlen_ops._validate(a["q"], a["k"], a["v"], a["cu_seqlens"]),
+                            ("q", "k", "v", "cu_seqlens")),
+    paged_decode_attention: _Spec(_decode_rules,
+                                  lambda a: decode_ops._validate(*(a[k] for k in ("q", "k_cache", "v_cache",
+                                                                                  "block_tables", "seq_lens"))),
+                                  ("q", "k_cache", "v_cache", "block_tables", "seq_lens")),
+    paged_attention: _Spec(_paged_rules,
+                           lambda a: paged_ops._validate(*(a[k] for k in ("q", "k_cache", "v_cache", "block_tables",
+                                                                          "seq_lens", "cu_query_lens"))),
+                           ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_query_lens")),
+    sparse_mla_attention: _Spec(_sparse_rules, _validate_sparse,
+                                ("q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens"),
                                 extra=("seq_lens",)),
 }
 
@@ -227,6 +277,42 @@ def _is_traced(tree) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
 
+def _checks_reach_checkify() -> bool:
+    """Whether ``checkify.check`` calls made now will be functionalized: True eagerly (``jax.vmap`` of a call, say)
+    and under a ``checkify.checkify`` trace; False inside a staged function (``jax.jit``, ``lax.cond``, ...) that
+    no ``checkify.checkify`` encloses, where JAX would fail only when lowering the caller's program, after
+    ``checked`` has returned, with a message that does not say what to do.
+
+    Reads JAX's trace stack (``jax._src.core.trace_ctx``, each trace's ``parent_trace`` and its ``traced_for``:
+    private, so read defensively); when it cannot be read, it answers True and JAX's own error stands.
+    """
+    try:
+        from jax._src import core as jax_core
+        trace = jax_core.trace_ctx.trace
+    except (ImportError, AttributeError):
+        return True
+    staged = False
+    while trace is not None:
+        frame = getattr(trace, "frame", None)  # staging traces (jaxpr builders) have one
+        if frame is not None:
+            if getattr(getattr(frame, "debug_info", None), "traced_for", None) == "checkify":
+                return True
+            staged = True
+        trace = getattr(trace, "parent_trace", None)
+    return not staged
+
+
+def _not_functionalized(name: str) -> ValueError:
+    return ValueError(
+        f"checked({name}) was called inside jax.jit (or another staged function: lax.cond, lax.scan, ...) that "
+        f"checkify does not functionalize: a check cannot raise from inside a compiled program. Functionalize the "
+        f"step and throw on the host:\n"
+        f"    from jax.experimental import checkify\n"
+        f"    err, out = jax.jit(checkify.checkify(step))(*args)\n"
+        f"    err.throw()  # raises with the failing rule's message\n"
+        f"or call checked({name}) outside jax.jit.")
+
+
 def checked(fn: Callable) -> Callable:
     """``fn`` (one of the four public kernels) with its data rules checked first; same signature and outputs.
 
@@ -237,10 +323,14 @@ def checked(fn: Callable) -> Callable:
     Returns:
       A function with ``fn``'s signature (plus an optional ``seq_lens=`` keyword, ``i32[num_seqs]``, for the sparse
       kernel) that raises :class:`CheckError` when the data breaks a rule of this module's docstring and otherwise
-      returns exactly what ``fn`` returns (the same compiled kernel on the same arguments: bit-identical).
+      returns exactly what ``fn`` returns (the same compiled kernel on the same arguments: bit-identical). It
+      takes the arguments ``fn`` takes (numpy arrays and lists included) and raises ``fn``'s own static errors
+      (shapes, dtypes, static arguments) before checking any value.
 
     Raises:
       TypeError: ``fn`` is not one of the four kernels.
+      ValueError (when called): inside ``jax.jit`` without ``checkify.checkify`` around it; the message shows
+        the pattern to use (this module's docstring).
     """
     spec = _SPECS.get(fn)
     if spec is None:
@@ -251,12 +341,17 @@ def checked(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         extra = {k: kwargs.pop(k, None) for k in spec.extra}
+        extra = {k: None if v is None else validation.as_array(k, v, jnp.int32) for k, v in extra.items()}
+        args, kwargs = fn.normalize(*args, **kwargs)  # fn's own conversions and static-argument checks
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         arrays = {k: bound.arguments[k] for k in spec.arrays}
         arrays.update(extra)
         statics = tuple(sorted((k, v) for k, v in bound.arguments.items() if k not in spec.arrays))
-        if _is_traced(arrays):  # inside the caller's jit: emit checks, gate the kernel on them
+        spec.validate({**arrays, **dict(statics)})
+        if _is_traced(arrays):  # inside the caller's trace: emit checks, gate the kernel on them
+            if not _checks_reach_checkify():
+                raise _not_functionalized(name)
             ok = spec.rules({**arrays, **dict(statics)})
             shapes = jax.eval_shape(functools.partial(fn, **kwargs), *args)
             zeros = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -268,6 +363,7 @@ def checked(fn: Callable) -> Callable:
             raise CheckError(f"{name}: {e}") from None
         return fn(*args, **kwargs)
 
+    del wrapper.normalize  # copied from fn by functools.wraps; it does not know the wrapper's extra arguments
     if spec.extra:
         params = list(sig.parameters.values())
         params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in spec.extra]

@@ -56,7 +56,7 @@ Example (2 host devices on CPU: ``XLA_FLAGS=--xla_force_host_platform_device_cou
     shards = parallel.split_context_pages(tables, lens, block_size=16, n_dev=2)
     kc = parallel.shard_paged_cache(k_cache, shards.page_map)    # [2, local_blocks, 16, 4, 64]
     vc = parallel.shard_paged_cache(v_cache, shards.page_map)
-    out_cp = parallel.context_parallel_decode(q, kc, vc, shards.block_tables, shards.seq_lens, mesh=cp)
+    out_cp = parallel.context_parallel_decode(q, kc, vc, shards, mesh=cp)  # shards: tables, lengths, block_size
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_attn.ops.decode import paged_decode_attention, renamed_argument
+from pallas_attn.core import validation
+from pallas_attn.ops import common
+from pallas_attn.ops.common import renamed_argument
+from pallas_attn.ops.decode import paged_decode_attention
 from pallas_attn.ops.merge import merge_attention_states
 from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.sparse_mla import sparse_mla_attention
@@ -143,7 +146,7 @@ def tensor_parallel(kernel: Callable, mesh: Mesh, axis: str = "tp", **static_kwa
       >>> out = f(q, k, v, cu_seqlens)                       # each device: Hq/2 query heads, Hkv/2 KV heads
     """
     return_lse = bool(static_kwargs.get("return_lse", False))
-    n = mesh.shape[axis]
+    n = validation.check_mesh_axis(mesh, axis)
     call = functools.partial(kernel, **static_kwargs)
 
     @functools.cache
@@ -198,10 +201,12 @@ def cross_device_merge(out, lse, axis: str, *, merge: str = "all_gather"):
     return merged, jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, den)))
 
 
+_OPTIONAL_INT = functools.partial(validation.check_static_int, optional=True)
+_OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
+
+
 @renamed_argument("context_lens", "seq_lens")
-@functools.partial(jax.jit, static_argnames=("mesh", "axis", "merge", "softmax_scale", "num_splits", "split_size",
-                                             "return_lse", "interpret", "config"))
-def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, *, mesh: Mesh, axis: str = "cp",
+def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens=None, *, mesh: Mesh, axis: str = "cp",
                             merge: str = "all_gather", softmax_scale: float | None = None,
                             num_splits: int | None = None, split_size: int | None = None, return_lse: bool = False,
                             interpret: bool | None = None, config=None):
@@ -212,10 +217,13 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, *, mesh
       k_cache, v_cache: ``[n, num_blocks, block_size, num_kv_heads, head_dim]``: device ``d``'s own page pool is
         ``k_cache[d]`` (shard the arrays on axis 0; :func:`shard_paged_cache` builds them).
       block_tables: ``i32[n, num_seqs, max_blocks_local]``: row ``[d, b]`` lists, in order, the pages (ids in device
-        ``d``'s pool) of device ``d``'s contiguous slice of request ``b``'s context.
+        ``d``'s pool) of device ``d``'s contiguous slice of request ``b``'s context. Or the
+        :class:`ContextShards` of :func:`split_context_pages` itself, with ``seq_lens`` left out: its tables and
+        lengths are used, and its ``block_size`` must be the cache's (``ValueError`` otherwise: tables cut for
+        another page size address the wrong keys).
       seq_lens: ``i32[n, num_seqs]`` keys of request ``b`` held on device ``d`` (0 allowed). Its former name
         ``context_lens=`` still works for one release, with a ``DeprecationWarning``.
-      mesh, axis: the mesh and its context-parallel axis (size ``n``).
+      mesh, axis: the mesh and its context-parallel axis (size ``n``; an axis the mesh lacks raises ``ValueError``).
       merge: ``"all_gather"`` (gather ``n`` partial ``(out, lse)``, then :func:`pallas_attn.merge_attention_states`
         on every device) or ``"psum"`` (``pmax`` + two ``psum`` s of rescaled partials).
       softmax_scale, num_splits, split_size, interpret, config: passed to each device's
@@ -226,6 +234,35 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, *, mesh
       ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype, replicated (and ``lse``). Keys are attended in the
       order device 0, 1, ...: the result equals single-device attention over the concatenated slices.
     """
+    validation.check_mesh_axis(mesh, axis)
+    if isinstance(block_tables, ContextShards):
+        shards = block_tables
+        if seq_lens is not None:
+            raise TypeError("context_parallel_decode() got a ContextShards as block_tables and seq_lens too: pass the "
+                            "shards alone (their seq_lens are used), or shards.block_tables and shards.seq_lens")
+        cache_block_size = np.shape(k_cache)[2] if np.ndim(k_cache) == 5 else None
+        if shards.block_size is not None and cache_block_size is not None and shards.block_size != cache_block_size:
+            raise ValueError(f"block_tables (a ContextShards) were cut for block_size={shards.block_size} by "
+                             f"split_context_pages, but k_cache has block_size={cache_block_size} (axis 2 of "
+                             f"[n, num_blocks, block_size, num_kv_heads, head_dim]); cut them with the cache's block "
+                             f"size")
+        block_tables, seq_lens = shards.block_tables, shards.seq_lens
+    elif seq_lens is None:
+        raise TypeError("context_parallel_decode() missing seq_lens: pass seq_lens, or a ContextShards as "
+                        "block_tables")
+    return _context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, mesh=mesh, axis=axis, merge=merge,
+                                    softmax_scale=softmax_scale, num_splits=num_splits, split_size=split_size,
+                                    return_lse=return_lse, interpret=interpret, config=config)
+
+
+@common.front(arrays=("q", "k_cache", "v_cache"), int_arrays=("block_tables", "seq_lens"),
+              statics=dict(softmax_scale=validation.check_softmax_scale, num_splits=_OPTIONAL_INT,
+                           split_size=_OPTIONAL_INT, return_lse=validation.check_static_bool,
+                           interpret=_OPTIONAL_BOOL))
+@functools.partial(jax.jit, static_argnames=("mesh", "axis", "merge", "softmax_scale", "num_splits", "split_size",
+                                             "return_lse", "interpret", "config"))
+def _context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, *, mesh, axis, merge, softmax_scale,
+                             num_splits, split_size, return_lse, interpret, config):
     n = mesh.shape[axis]
     for name, x, rank in (("k_cache", k_cache, 5), ("v_cache", v_cache, 5), ("block_tables", block_tables, 3),
                           ("seq_lens", seq_lens, 2)):
@@ -259,11 +296,16 @@ class ContextShards:
       kept one release as a property that warns).
     page_map: ``i32[n, num_blocks_local]`` global page id of each local page (``-1``: unused pool slot).
     starts: ``i32[n, num_seqs]`` first global position of each device's slice (for checks and reporting).
+    block_size: the page size the pages were cut for; :func:`context_parallel_decode` given these shards checks it
+      against the cache's (None: unknown, not checked).
+
+    Pass the shards themselves as :func:`context_parallel_decode`'s ``block_tables`` to have it checked.
     """
     block_tables: np.ndarray
     seq_lens: np.ndarray
     page_map: np.ndarray
     starts: np.ndarray
+    block_size: int | None = None
 
     @property
     def context_lens(self) -> np.ndarray:
@@ -314,7 +356,7 @@ def split_context_pages(block_tables, seq_lens, block_size: int, n_dev: int) -> 
     for d, pool in enumerate(pools):
         page_map[d, : len(pool)] = pool
     return ContextShards(local_tables.astype(np.int32), local_lens.astype(np.int32), page_map.astype(np.int32),
-                         starts.astype(np.int32))
+                         starts.astype(np.int32), block_size=int(block_size))
 
 
 def shard_paged_cache(cache, page_map, *, mesh: Mesh | None = None, axis: str = "cp") -> jax.Array:
@@ -329,5 +371,6 @@ def shard_paged_cache(cache, page_map, *, mesh: Mesh | None = None, axis: str = 
     valid = (page_map >= 0).reshape(*page_map.shape, *([1] * (cache.ndim - 1)))
     pools = jnp.where(valid, pools, jnp.zeros((), cache.dtype))
     if mesh is not None:
+        validation.check_mesh_axis(mesh, axis)
         pools = jax.device_put(pools, NamedSharding(mesh, P(axis)))
     return pools

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_attn.core import validation
 from pallas_attn.core.metadata import cu_seqlens_from_lens
 
 # Relative L2 tolerance by the dtype of the kernel's inputs. float32: interpret mode and GPU dots without TF32
@@ -92,12 +93,17 @@ def assert_attention_close(out, ref, *, dtype=None, rtol: float | None = None, v
 
     Raises:
       AssertionError: shapes differ, a compared value of `out` or `ref` is NaN/Inf, or the error is too large.
+      TypeError: `out` or `ref` is a tuple, e.g. `(out, lse)` from `return_lse=True`: pass the outputs and compare
+        the LSEs separately.
       ValueError: no tolerance is known for `dtype` and no `rtol` was given.
 
     Example:
       >>> ref = np.ones((4, 2, 8), np.float32)
       >>> assert_attention_close(ref + 1e-7, ref)
     """
+    for name, x in (("out", out), ("ref", ref)):
+        validation.check_single_array(name, x, f"pass {name}[0] (the output of return_lse=True) and compare the LSE "
+                                               f"separately (its -inf rows must match exactly)")
     chex.assert_equal_shape([out, ref])
     key = np.dtype(dtype if dtype is not None else np.asarray(out).dtype)
     if rtol is None:

@@ -247,6 +247,35 @@ def test_rejects_bad_inputs():
     assert f.__name__ == "tensor_parallel_paged_decode_attention"
 
 
+def test_mesh_axis_and_block_size_are_checked(rng):
+    """An axis the mesh lacks is a ValueError naming it and the mesh's axes; shards cut for another block size
+    than the cache's are refused (their tables would address the wrong keys); the shards carry their block size."""
+    q, kc, vc, tables, seq_lens = _decode_inputs(rng, [40, 3, 0], hq=4, hkv=2)
+    tp, cp = jax.make_mesh((1,), ("tp",)), jax.make_mesh((1,), ("cp",))
+    with pytest.raises(ValueError, match=r"axis='model' is not an axis of the mesh; its axes are \('tp',\)"):
+        parallel.tensor_parallel(paged_decode_attention, tp, "model")
+    shards = parallel.split_context_pages(tables, seq_lens, 16, 1)
+    assert shards.block_size == 16
+    with pytest.raises(ValueError, match=r"axis='model' is not an axis of the mesh; its axes are \('cp',\)"):
+        parallel.shard_paged_cache(kc, shards.page_map, mesh=cp, axis="model")
+    local = (q, parallel.shard_paged_cache(kc, shards.page_map), parallel.shard_paged_cache(vc, shards.page_map))
+    with pytest.raises(ValueError, match=r"axis='model' is not an axis of the mesh; its axes are \('cp',\)"):
+        parallel.context_parallel_decode(*local, shards, mesh=cp, axis="model")
+
+    want = parallel.context_parallel_decode(*local, jnp.asarray(shards.block_tables), jnp.asarray(shards.seq_lens),
+                                            mesh=cp, config=SMALL)
+    got = parallel.context_parallel_decode(*local, shards, mesh=cp, config=SMALL)  # the shards themselves
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    wrong = parallel.split_context_pages(tables, seq_lens, 32, 1)
+    with pytest.raises(ValueError, match=r"cut for block_size=32 by split_context_pages, but k_cache has "
+                                         r"block_size=16"):
+        parallel.context_parallel_decode(*local, wrong, mesh=cp, config=SMALL)
+    with pytest.raises(TypeError, match=r"got a ContextShards as block_tables and seq_lens too"):
+        parallel.context_parallel_decode(*local, shards, shards.seq_lens, mesh=cp)
+    with pytest.raises(TypeError, match=r"missing seq_lens: pass seq_lens, or a ContextShards as block_tables"):
+        parallel.context_parallel_decode(*local, shards.block_tables, mesh=cp)
+
+
 def test_context_lens_aliases_warn(rng):
     """``context_lens``, the former name of ``seq_lens``, still works for one release: it warns, naming the new
     name, and gives the same result; passing both raises."""

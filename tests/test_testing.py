@@ -88,6 +88,16 @@ def test_valid_rows_ignores_padding():
         assert_attention_close(out, REF, dtype=jnp.float32, valid_rows=5)
 
 
+def test_out_lse_tuple_is_named():
+    """``(out, lse)`` from ``return_lse=True`` passed as ``out`` or ``ref``: a TypeError saying what to pass."""
+    out, lse = np.ones((4, 2, 8), np.float32), np.zeros((4, 2), np.float32)
+    with pytest.raises(TypeError, match=r"out must be one array; got a tuple of 2: pass out\[0\] .* compare the LSE "
+                                        r"separately"):
+        assert_attention_close((out, lse), out)
+    with pytest.raises(TypeError, match=r"ref must be one array; got a tuple of 2: pass ref\[0\]"):
+        assert_attention_close(out, (out, lse))
+
+
 def test_shape_mismatch_fails():
     with pytest.raises(AssertionError):
         assert_attention_close(REF[:5], REF)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,7 +27,43 @@ CASES = {
     "head_dim_big": (lambda: v.check_head_dim("q", 264), ValueError, "head_dim=264 unsupported"),
     "gqa": (lambda: v.check_gqa(6, 4), ValueError, "num_q_heads=6 must be a positive multiple of num_kv_heads=4"),
     "block_size": (lambda: v.check_block_size(512), ValueError, "block_size=512"),
-    "static": (lambda: v.check_static_positive("max_seqlen", np.int32(-1)), TypeError, "max_seqlen must be a static"),
+    "static_int_negative": (lambda: v.check_static_int("max_seqlen", np.int32(-1)), ValueError,
+                            r"max_seqlen must be a static Python int >= 1; got max_seqlen=-1"),
+    "static_int_zero": (lambda: v.check_static_int("max_query_len", 0), ValueError,
+                        r"max_query_len must be a static Python int >= 1; got max_query_len=0"),
+    "static_int_bool": (lambda: v.check_static_int("max_seqlen", True), TypeError,
+                        r"max_seqlen must be a static Python int >= 1; got max_seqlen=True \(bool\)"),
+    "static_int_float": (lambda: v.check_static_int("num_splits", 2.0, optional=True), TypeError,
+                         r"num_splits must be a static Python int >= 1 or None; got num_splits=2.0 \(float\)"),
+    "static_int_array": (lambda: v.check_static_int("max_seqlen", jnp.int32(8)), TypeError,
+                         r"got a jax array int32\[\]: pass a Python int; it is static .* bucket it"),
+    "static_int_numpy_array": (lambda: v.check_static_int("max_seqlen", np.array(8)), TypeError,
+                               r"got a numpy array int64\[\]: pass a Python int"),
+    "static_bool": (lambda: v.check_static_bool("causal", "yes"), TypeError,
+                    r"causal must be a static Python bool; got causal='yes' \(str\)"),
+    "static_bool_array": (lambda: v.check_static_bool("return_lse", jnp.bool_(True)), TypeError,
+                          r"return_lse must be a static Python bool; got a jax array bool\[\]"),
+    "scale_nan": (lambda: v.check_softmax_scale("softmax_scale", float("nan")), ValueError,
+                  "softmax_scale must be None or a finite Python float > 0; got softmax_scale=nan"),
+    "scale_inf": (lambda: v.check_softmax_scale("softmax_scale", np.float32("inf")), ValueError,
+                  "got softmax_scale=inf"),
+    "scale_zero": (lambda: v.check_softmax_scale("softmax_scale", 0.0), ValueError, "got softmax_scale=0.0"),
+    "scale_negative": (lambda: v.check_softmax_scale("softmax_scale", -0.125), ValueError,
+                       "got softmax_scale=-0.125"),
+    "scale_array": (lambda: v.check_softmax_scale("softmax_scale", jnp.float32(0.5)), TypeError,
+                    r"got a jax array float32\[\]: pass float\(scale\) computed on the host"),
+    "scale_type": (lambda: v.check_softmax_scale("softmax_scale", "0.5"), TypeError,
+                   r"got softmax_scale='0.5' \(str\)"),
+    "as_array_str": (lambda: v.as_array("cu_seqlens", "0, 4", jnp.int32), TypeError,
+                     r"cu_seqlens must be an array of numbers .*; got '0, 4' \(str\)"),
+    "as_array_ragged": (lambda: v.as_array("block_tables", [[0, 1], [2]], jnp.int32), TypeError,
+                        r"block_tables must be an array \(jax, numpy, or a nested list of numbers\); got"),
+    "as_array_int32_range": (lambda: v.as_array("seq_lens", np.array([2**40]), jnp.int32), ValueError,
+                             r"seq_lens must be int32; got values in \[1099511627776, 1099511627776\]"),
+    "single_array": (lambda: v.check_single_array("out", (F32, F32), "pass out[0]"), TypeError,
+                     "out must be one array; got a tuple of 2: pass out"),
+    "mesh_axis": (lambda: v.check_mesh_axis(jax.make_mesh((1,), ("tp",)), "model"), ValueError,
+                  r"axis='model' is not an axis of the mesh; its axes are \('tp',\)"),
     "paged_head_dim": (lambda: v.check_paged_kv(F32, CACHE[..., :32], CACHE[..., :32], TABLE, "[B, Hq, D]"),
                        ValueError, "k_cache head_dim 32 must equal q head_dim 64"),
     "paged_v_shape": (lambda: v.check_paged_kv(F32, CACHE, CACHE[:2], TABLE, "[B, Hq, D]"), ValueError,
@@ -44,4 +81,23 @@ def test_rule_raises_with_a_clear_message(name):
 def test_valid_inputs_pass():
     v.check_paged_kv(F32, CACHE, CACHE, TABLE, "[B, Hq, D]")
     v.check_head_dim("q", 80)
-    assert v.check_static_positive("max_seqlen", 0) == 0
+    assert v.check_static_int("max_seqlen", np.int32(8)) == 8 and type(v.check_static_int("m", np.int64(3))) is int
+    assert v.check_static_int("num_splits", None, optional=True) is None
+    assert v.check_static_bool("causal", np.bool_(False)) is False
+    assert v.check_static_bool("interpret", None, optional=True) is None
+    assert v.check_softmax_scale("softmax_scale", np.float32(0.5)) == 0.5 and v.check_softmax_scale("s", 1) == 1.0
+    assert v.check_softmax_scale("softmax_scale", None) is None
+    assert v.check_mesh_axis(jax.make_mesh((1,), ("tp",)), "tp") == 1
+
+
+def test_as_array():
+    """Lists, tuples and numpy arrays become jax arrays (integer data int32 where the argument is int32); jax
+    arrays pass unchanged; float data for an int32 argument keeps its dtype, so the dtype rule names it."""
+    cu = v.as_array("cu_seqlens", [0, 6, 8], jnp.int32)
+    assert cu.dtype == jnp.int32 and cu.tolist() == [0, 6, 8]
+    assert v.as_array("cu_seqlens", np.array([0, 4], np.int64), jnp.int32).dtype == jnp.int32
+    assert v.as_array("cu_seqlens", [], jnp.int32).dtype == jnp.int32
+    assert v.as_array("cu_seqlens", (0.0, 4.0), jnp.int32).dtype == jnp.float32
+    assert v.as_array("q", np.zeros((2, 3), np.float16)).dtype == jnp.float16
+    assert v.as_array("q", np.zeros((2,), jnp.bfloat16)).dtype == jnp.bfloat16
+    assert v.as_array("q", F32) is F32

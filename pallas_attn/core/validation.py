@@ -1,8 +1,17 @@
 """Static (trace-time) checks shared by every public function: one helper per rule, messages that name the
-argument, the shape it got and the shape it needs."""
+argument, what it got and what it needs.
+
+Two kinds: array rules (rank, dtype, shape agreement; run inside the jitted function, once per trace) and Python
+argument rules (``as_array`` and the ``check_static_*`` helpers; run by the thin wrapper in front of each jitted
+function, :func:`pallas_attn.ops.common.front`, before ``jax.jit`` hashes the static arguments). Values inside
+arrays (lengths, page ids, boundaries) are data, never checked here: :func:`pallas_attn.checked` reports them.
+"""
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,10 +62,97 @@ def check_block_size(block_size: int) -> None:
         raise ValueError(f"{block_size=} (cache axis 1) must be a power of two in [1, 256]")
 
 
-def check_static_positive(name: str, value) -> int:
-    if isinstance(value, (jnp.ndarray, np.ndarray)) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise TypeError(f"{name} must be a static Python int >= 0 (a bucketed maximum); got {value!r}")
+_INT32 = np.iinfo(np.int32)
+_STATIC_HINT = ("it is static (part of the compiled program): compute it on the host, outside jax.jit, and "
+                "bucket it (e.g. the next power of two) so that batches share one program")
+
+
+def _describe(value) -> str:
+    """``value`` for a message: arrays and tracers by kind, dtype and shape, anything else by repr and type."""
+    if isinstance(value, jax.core.Tracer):
+        return f"a traced {value.dtype}{list(value.shape)} (a jax.jit argument or a value computed from one)"
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return f"a {'jax' if isinstance(value, jax.Array) else 'numpy'} array {value.dtype}{list(value.shape)}"
+    return f"{value!r} ({type(value).__name__})"
+
+
+def as_array(name: str, x, dtype=None):
+    """``x`` as a jax array: jax arrays, tracers and ``jax.ShapeDtypeStruct`` s (ahead-of-time lowering) pass
+    unchanged; numpy arrays, (nested) lists, tuples and scalars are converted. ``dtype=jnp.int32`` (the argument
+    is int32): integer data (and an empty list) becomes int32; other data keeps its dtype, so the argument's dtype
+    rule reports it."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):  # tracers included: nothing to convert, no host copy
+        return x
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as e:  # ragged nesting, unconvertible objects
+        raise TypeError(f"{name} must be an array (jax, numpy, or a nested list of numbers); got "
+                        f"{_describe(x)}: {e}") from None
+    if not (arr.dtype == np.bool_ or jnp.issubdtype(arr.dtype, jnp.number)):  # bfloat16 (kind "V") included
+        raise TypeError(f"{name} must be an array of numbers (jax, numpy, or a nested list); got {_describe(x)}")
+    if dtype is not None and jnp.dtype(dtype) == jnp.int32 and (arr.dtype.kind in "iu" or arr.size == 0):
+        if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
+            raise ValueError(f"{name} must be int32; got values in [{arr.min()}, {arr.max()}], outside the int32 "
+                             f"range")
+        arr = arr.astype(np.int32)
+    return jnp.asarray(arr)
+
+
+def check_static_int(name: str, value, *, optional: bool = False) -> int | None:
+    """A static size: a Python int >= 1 (a numpy integer scalar is accepted and converted); None too when
+    ``optional``. Not a bool, not a jax / numpy array, not a traced value."""
+    if value is None and optional:
+        return None
+    need = f"{name} must be a static Python int >= 1{' or None' if optional else ''}"
+    if isinstance(value, (jax.Array, np.ndarray)):
+        raise TypeError(f"{need}; got {_describe(value)}: pass a Python int; {_STATIC_HINT}")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{need}; got {name}={_describe(value)}")
+    if value < 1:
+        raise ValueError(f"{need}; got {name}={int(value)}")
     return int(value)
+
+
+def check_static_bool(name: str, value, *, optional: bool = False) -> bool | None:
+    """A static flag: a Python (or numpy) bool; None too when ``optional``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    need = f"{name} must be a static Python bool{' or None' if optional else ''}"
+    if isinstance(value, (jax.Array, np.ndarray)):
+        raise TypeError(f"{need}; got {_describe(value)}: pass True or False; it selects the compiled program")
+    raise TypeError(f"{need}; got {name}={_describe(value)}")
+
+
+def check_softmax_scale(name: str, value) -> float | None:
+    """None (``1/sqrt(head_dim)``) or a finite positive Python / numpy number, returned as a Python float."""
+    if value is None:
+        return None
+    need = f"{name} must be None or a finite Python float > 0"
+    if isinstance(value, (jax.Array, np.ndarray)):
+        raise TypeError(f"{need}; got {_describe(value)}: pass float(scale) computed on the host; it is static "
+                        f"(part of the compiled program)")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{need}; got {name}={_describe(value)}")
+    scale = float(value)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{need}; got {name}={scale}")
+    return scale
+
+
+def check_single_array(name: str, x, hint: str) -> None:
+    """``x`` is one array, not a tuple of them (``(out, lse)`` from ``return_lse=True``, say)."""
+    if isinstance(x, tuple):
+        raise TypeError(f"{name} must be one array; got a tuple of {len(x)}: {hint}")
+
+
+def check_mesh_axis(mesh, axis) -> int:
+    """``axis`` names an axis of ``mesh``; returns its size."""
+    if axis not in mesh.axis_names:
+        raise ValueError(f"{axis=} is not an axis of the mesh; its axes are {tuple(mesh.axis_names)} "
+                         f"(shape {dict(mesh.shape)})")
+    return mesh.shape[axis]
 
 
 def check_paged_kv(q, k_cache, v_cache, block_tables, q_layout: str) -> None:

@@ -7,44 +7,16 @@ Kernel: :mod:`pallas_attn.kernels.triton.decode`. Reference: :func:`pallas_attn.
 from __future__ import annotations
 
 import functools
-import inspect
-import warnings
 
 import jax
 
 from pallas_attn.core import backend, config as config_lib, validation
 from pallas_attn.kernels.triton import decode as triton_decode
+from pallas_attn.ops import common
+from pallas_attn.ops.common import renamed_argument
 
-
-def renamed_argument(old: str, new: str):
-    """Decorator: the argument ``new`` of the decorated function is also accepted under its former name ``old=``
-    for one release. ``old=`` warns (``DeprecationWarning`` naming ``new``) and passes its value on; giving both
-    raises ``TypeError``. A thin Python layer: the signature, the docstring and, for a jitted function, its compile
-    cache stay the function's own (the value goes in as ``new``'s positional argument where it can, so a call with
-    ``old=`` reuses the program compiled for positional calls)."""
-
-    def decorate(fn):
-        name = fn.__name__
-        position = list(inspect.signature(fn).parameters).index(new)
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if old in kwargs:
-                if new in kwargs or len(args) > position:
-                    raise TypeError(f"{name}() got both {new} and its deprecated alias {old}=; pass {new} only")
-                warnings.warn(f"{name}(): {old}= is deprecated, pass {new}= (the same values); {old}= will be "
-                              f"removed in the next release", DeprecationWarning, stacklevel=2)
-                value = kwargs.pop(old)
-                if len(args) == position:
-                    args = (*args, value)
-                else:
-                    kwargs[new] = value
-            return fn(*args, **kwargs)
-
-        wrapper.renamed_arguments = {**getattr(fn, "renamed_arguments", {}), old: new}
-        return wrapper
-
-    return decorate
+_OPTIONAL_INT = functools.partial(validation.check_static_int, optional=True)
+_OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
 def _validate(q, k_cache, v_cache, block_tables, seq_lens):
@@ -58,6 +30,10 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens):
 
 
 @renamed_argument("context_lens", "seq_lens")
+@common.front(arrays=("q", "k_cache", "v_cache"), int_arrays=("block_tables", "seq_lens"),
+              statics=dict(softmax_scale=validation.check_softmax_scale, num_splits=_OPTIONAL_INT,
+                           split_size=_OPTIONAL_INT, return_lse=validation.check_static_bool,
+                           interpret=_OPTIONAL_BOOL))
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "split_size", "return_lse",
                                              "interpret", "config"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale: float | None = None,
@@ -74,9 +50,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
       seq_lens: ``i32[num_seqs]`` keys each query sees, its own included (as :func:`pallas_attn.paged_attention`'s
         ``seq_lens`` and :attr:`pallas_attn.BatchMetadata.seq_lens`); 0 gives output 0 and LSE -inf. Its former name
         ``context_lens=`` still works for one release, with a ``DeprecationWarning``.
-      softmax_scale: default ``1/sqrt(head_dim)``.
-      num_splits: split-KV segments per request (static). None: heuristic from num_seqs × num_kv_heads, the
-        table's capacity ``max_blocks * block_size`` and the SM count; 1: single pass, no merge.
+      softmax_scale: None (``1/sqrt(head_dim)``) or a finite Python float > 0.
+      num_splits: split-KV segments per request (static Python int >= 1). None: heuristic from num_seqs ×
+        num_kv_heads, the table's capacity ``max_blocks * block_size`` and the SM count; 1: single pass, no merge.
       split_size: fixed segment length in tokens (multiple of ``config.block_n``) instead of a count: outputs are
         then bit-identical whatever else is in the batch (batch invariance), at the price of a merge pass even
         when the GPU is already full.
@@ -85,7 +61,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
       config: :class:`pallas_attn.core.config.DecodeConfig`; None → tuned default.
 
     Returns:
-      ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``).
+      ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``). ``num_seqs == 0``, ``max_blocks == 0``
+      or an empty page pool give zeros (LSE -inf) without a kernel. Array arguments may be numpy arrays or lists
+      (converted; integer lists to int32). No backward pass: ``jax.grad`` raises ``NotImplementedError``.
 
     Example:
       >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
@@ -95,8 +73,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
     splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2],
                                                    block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
                                                    num_splits, split_size)
+    if 0 in (q.shape[0], block_tables.shape[1], k_cache.shape[0]):  # no request, no page: no key, no kernel
+        return common.no_rows(*q.shape, q.dtype, return_lse)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = triton_decode.paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=float(scale),
-                                                 num_splits=splits, split_size=split_size,
-                                                 interpret=backend.resolve_interpret(interpret), cfg=cfg)
+    run = functools.partial(triton_decode.paged_decode_triton, scale=float(scale), num_splits=splits,
+                            split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg)
+    out, lse = common.no_backward("paged_decode_attention", run)(q, k_cache, v_cache, block_tables, seq_lens)
     return (out, lse) if return_lse else out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 
 from pallas_attn.core import softmax, validation
+from pallas_attn.ops import common
 
 
 def _validate(outs, lses):
@@ -21,6 +22,7 @@ def _validate(outs, lses):
         raise ValueError(f"outs and lses need at least one split; got num_splits = {outs.shape[0]}")
 
 
+@common.front(arrays=("outs", "lses"))
 @jax.jit
 def merge_attention_states(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Merge attention computed over disjoint key sets (split-KV segments, context-parallel shards).
@@ -29,8 +31,8 @@ def merge_attention_states(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array,
 
     Args:
       outs: ``[S, ..., D]`` per-split normalised outputs (any dtype; merged in float32).
-      lses: ``[S, ...]`` float32 natural-log LSE per split; ``-inf`` marks an empty split, whose ``outs`` entry is
-        ignored even if it is NaN.
+      lses: ``[S, ...]`` float32 natural-log LSE per split, exactly ``outs.shape[:-1]`` (no broadcasting);
+        ``-inf`` marks an empty split, whose ``outs`` entry is ignored even if it is NaN.
 
     Returns:
       ``(out [..., D] float32, lse [...] float32)``; a row whose splits are all empty gives 0 and ``-inf``.

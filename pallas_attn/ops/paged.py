@@ -13,9 +13,13 @@ from jax.experimental import pallas as pl
 
 from pallas_attn.core import backend, config as config_lib, metadata, validation
 from pallas_attn.kernels.triton import paged as triton_paged
+from pallas_attn.ops import common
+
+_OPTIONAL_INT = functools.partial(validation.check_static_int, optional=True)
+_OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
-def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len):
+def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens):
     validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_tokens, num_q_heads, head_dim]")
     num_seqs = block_tables.shape[0]
     validation.check_int32("seq_lens", seq_lens)
@@ -23,9 +27,12 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_qu
     validation.check_int32("cu_query_lens", cu_query_lens)
     validation.check_shape("cu_query_lens", cu_query_lens, (num_seqs + 1,),
                            "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
-    validation.check_static_positive("max_query_len", max_query_len)
 
 
+@common.front(arrays=("q", "k_cache", "v_cache"), int_arrays=("block_tables", "seq_lens", "cu_query_lens"),
+              statics=dict(max_query_len=validation.check_static_int, softmax_scale=validation.check_softmax_scale,
+                           num_splits=_OPTIONAL_INT, split_size=_OPTIONAL_INT,
+                           return_lse=validation.check_static_bool, interpret=_OPTIONAL_BOOL))
 @functools.partial(jax.jit, static_argnames=("max_query_len", "softmax_scale", "num_splits", "split_size",
                                              "return_lse", "interpret", "config", "chunk_config"))
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len: int,
@@ -42,8 +49,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       block_tables: ``i32[num_seqs, max_blocks]``; entries past a request's last page are never read.
       seq_lens: ``i32[num_seqs]`` keys of each request, its new tokens included.
       cu_query_lens: ``i32[num_seqs + 1]`` cumulative new-token counts (``q_len`` may be 0).
-      max_query_len: static bound on ``q_len`` (bucketed); picks the query block size.
-      softmax_scale: default ``1/sqrt(head_dim)``.
+      max_query_len: static Python int >= 1 bounding ``q_len`` (bucketed); picks the query block size.
+      softmax_scale: None (``1/sqrt(head_dim)``) or a finite Python float > 0.
       num_splits / split_size: split-KV as in :func:`pallas_attn.paged_decode_attention`, for any ``q_len``.
       return_lse: also return ``f32[num_tokens, num_q_heads]``.
       interpret: None → compiled on GPU, interpreted on CPU.
@@ -53,14 +60,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         prefill-sized tiles; default :func:`pallas_attn.core.config.default_chunk_config`.
 
     Returns:
-      ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``).
+      ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``). No tokens, no request
+      (``cu_query_lens == [0]``: every row is padding), ``max_blocks == 0`` or an empty page pool give zeros (LSE
+      -inf) without a kernel. Array arguments may be numpy arrays or lists (converted; integer lists to int32).
+      No backward pass: ``jax.grad`` raises ``NotImplementedError``.
 
     Example:
       >>> md = build_metadata(query_lens=[1, 6, 512], context_lens=[900, 4000, 0], block_size=16)
       >>> out = paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_query_lens,
       ...                       max_query_len=md.max_query_len)
     """
-    _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len)
+    _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens)
     cu_query_lens = metadata.clamp_cu(cu_query_lens, q.shape[0])  # whatever it holds, requests stay disjoint
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     chunk_cfg = chunk_config or config_lib.default_chunk_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
@@ -86,9 +96,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         work_blocks = max(block_tables.shape[0], pl.cdiv(q.shape[0], block_q))
         splits, split_size = config_lib.resolve_splits(work_blocks * k_cache.shape[2], capacity, split_block_n,
                                                        num_splits, split_size)
+    if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_cache.shape[0]):
+        return common.no_rows(*q.shape, q.dtype, return_lse)  # no token, request or page: no key, no kernel
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = triton_paged.ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
-                                                max_query_len=max_query_len, scale=float(scale), num_splits=splits,
-                                                split_size=split_size, interpret=backend.resolve_interpret(interpret),
-                                                cfg=cfg, chunk_cfg=chunk_cfg, short_splits=short_splits)
+    run = functools.partial(triton_paged.ragged_paged_triton, max_query_len=max_query_len, scale=float(scale),
+                            num_splits=splits, split_size=split_size, interpret=backend.resolve_interpret(interpret),
+                            cfg=cfg, chunk_cfg=chunk_cfg, short_splits=short_splits)
+    out, lse = common.no_backward("paged_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,
+                                                          cu_query_lens)
     return (out, lse) if return_lse else out

@@ -16,6 +16,9 @@ from jax.experimental import pallas as pl
 from pallas_attn.core import backend as backend_lib, config as config_lib, metadata, validation
 from pallas_attn.kernels.mosaic import sparse_mla as mosaic_sparse
 from pallas_attn.kernels.triton import sparse_mla as triton_sparse
+from pallas_attn.ops import common
+
+_OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
 def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_rank):
@@ -33,14 +36,14 @@ def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_ra
     validation.check_int32("block_tables", block_tables)
     validation.check_rank("topk_indices", topk_indices, 2, "i32[num_tokens, topk]")
     validation.check_int32("topk_indices", topk_indices)
-    if topk_indices.shape[0] != q.shape[0] or topk_indices.shape[1] < 1:
-        raise ValueError(f"topk_indices must be i32[num_tokens={q.shape[0]}, topk >= 1]; "
-                         f"got {tuple(topk_indices.shape)}")
+    if topk_indices.shape[0] != q.shape[0]:
+        raise ValueError(f"topk_indices must be i32[num_tokens={q.shape[0]}, topk]; got {tuple(topk_indices.shape)}")
     if cu_query_lens is None:
         if block_tables.shape[0] != q.shape[0]:
             raise ValueError(f"without cu_query_lens every token is its own request: block_tables must be "
                              f"i32[num_tokens={q.shape[0]}, max_blocks]; got {tuple(block_tables.shape)}")
     else:
+        validation.check_rank("cu_query_lens", cu_query_lens, 1, "i32[num_seqs + 1]")
         validation.check_int32("cu_query_lens", cu_query_lens)
         validation.check_shape("cu_query_lens", cu_query_lens, (block_tables.shape[0] + 1,),
                                "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
@@ -66,6 +69,9 @@ def default_backend(q, kv_lora_rank: int, interpret: bool) -> str:
     return "mosaic" if mosaic_sparse.supported(q, kv_lora_rank) is None else "triton"
 
 
+@common.front(arrays=("q", "kv_cache"), int_arrays=("block_tables", "topk_indices", "cu_query_lens"),
+              statics=dict(kv_lora_rank=validation.check_static_int, softmax_scale=validation.check_softmax_scale,
+                           return_lse=validation.check_static_bool, interpret=_OPTIONAL_BOOL))
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "return_lse", "interpret", "config",
                                              "backend"))
 def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, kv_lora_rank: int = 512,
@@ -84,7 +90,7 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
         Tokens at or past ``cu_query_lens[-1]`` are padding (output 0, LSE -inf).
       kv_lora_rank: value dims (the first ``kv_lora_rank`` of each row); output ``[num_tokens, num_heads,
         kv_lora_rank]``.
-      softmax_scale: default ``1/sqrt(q.shape[-1])`` (``1/sqrt(576)``).
+      softmax_scale: None (``1/sqrt(q.shape[-1])``, ``1/sqrt(576)``) or a finite Python float > 0.
       return_lse: also return ``f32[num_tokens, num_heads]``; a row whose indices are all -1 gives 0 and -inf.
       interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.core.backend`).
       config: tiles / warps / stages of the Triton kernel (:class:`pallas_attn.SparseConfig`).
@@ -93,27 +99,34 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
         multiple of 64 in (192, 512], any top-k, compiled only — anything else raises). None:
         :func:`default_backend` — Mosaic on a compiled sm_90 GPU at 576 / 512 dims where it applies, else Triton.
 
+    Returns:
+      ``out [num_tokens, num_heads, kv_lora_rank]`` in q's dtype (and ``lse``). No tokens, no request (every token
+      padding), ``topk == 0``, ``max_blocks == 0`` or an empty pool give zeros (LSE -inf) without a kernel. Array
+      arguments may be numpy arrays or lists (converted; integer lists to int32). No backward pass: ``jax.grad``
+      raises ``NotImplementedError``.
+
     Example:
       >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request
     """
     _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_rank)
-    num_tokens = q.shape[0]
-    token_req = (jnp.arange(num_tokens, dtype=jnp.int32) if cu_query_lens is None
-                 else metadata.token_requests(cu_query_lens, num_tokens))
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     interpret = backend_lib.resolve_interpret(interpret)
-    topk = _padded_topk(topk_indices.shape[1])
     backend = backend_lib.select_backend(
         backend, config=config, default=lambda: default_backend(q, kv_lora_rank, interpret),
         mosaic_unsupported=lambda: "interpret mode" if interpret else mosaic_sparse.supported(q, kv_lora_rank))
+    if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], kv_cache.shape[0], topk_indices.shape[1]):
+        # no token, request, page or index: no key, no kernel
+        return common.no_rows(q.shape[0], q.shape[1], kv_lora_rank, q.dtype, return_lse)
+    num_tokens = q.shape[0]
+    token_req = (jnp.arange(num_tokens, dtype=jnp.int32) if cu_query_lens is None
+                 else metadata.token_requests(cu_query_lens, num_tokens))
+    topk = _padded_topk(topk_indices.shape[1])
     if backend == "mosaic":
         if topk != topk_indices.shape[1]:
             topk_indices = jnp.pad(topk_indices, ((0, 0), (0, topk - topk_indices.shape[1])), constant_values=-1)
-        out, lse = mosaic_sparse.sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req,
-                                                   kv_lora_rank=kv_lora_rank, scale=float(scale))
-        return (out, lse) if return_lse else out
-    cfg = config or config_lib.default_sparse_config(q.shape[1])
-    out, lse = triton_sparse.sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req,
-                                               kv_lora_rank=kv_lora_rank, scale=float(scale), interpret=interpret,
-                                               cfg=cfg)
+        run = functools.partial(mosaic_sparse.sparse_mla_mosaic, kv_lora_rank=kv_lora_rank, scale=float(scale))
+    else:
+        run = functools.partial(triton_sparse.sparse_mla_triton, kv_lora_rank=kv_lora_rank, scale=float(scale),
+                                interpret=interpret, cfg=config or config_lib.default_sparse_config(q.shape[1]))
+    out, lse = common.no_backward("sparse_mla_attention", run)(q, kv_cache, block_tables, topk_indices, token_req)
     return (out, lse) if return_lse else out

@@ -9,14 +9,14 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from pallas_attn.core import backend as backend_lib, config as config_lib, validation
 from pallas_attn.kernels.mosaic import prefill as mosaic_prefill
 from pallas_attn.kernels.triton import prefill as triton_prefill
+from pallas_attn.ops import common
 
 
-def _validate(q, k, v, cu_seqlens, max_seqlen):
+def _validate(q, k, v, cu_seqlens):
     validation.check_rank("q", q, 3, "[num_tokens, num_q_heads, head_dim]")
     validation.check_rank("k", k, 3, "[num_tokens, num_kv_heads, head_dim]")
     validation.check_float("q", q)
@@ -28,9 +28,9 @@ def _validate(q, k, v, cu_seqlens, max_seqlen):
     validation.check_gqa(q.shape[1], k.shape[1])
     validation.check_rank("cu_seqlens", cu_seqlens, 1, "i32[num_seqs + 1]")
     validation.check_int32("cu_seqlens", cu_seqlens)
-    if cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be i32[num_seqs + 1] with num_seqs >= 1; got {tuple(cu_seqlens.shape)}")
-    validation.check_static_positive("max_seqlen", max_seqlen)
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be i32[num_seqs + 1] (at least one entry: [0] for no request); got "
+                         f"shape {tuple(cu_seqlens.shape)}")
 
 
 BACKENDS = backend_lib.BACKENDS
@@ -51,6 +51,13 @@ def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
     return "mosaic" if long_enough and q.shape[0] >= MOSAIC_MIN_TOKENS else "triton"
 
 
+_OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
+
+
+@common.front(arrays=("q", "k", "v"), int_arrays=("cu_seqlens",),
+              statics=dict(max_seqlen=validation.check_static_int, causal=validation.check_static_bool,
+                           softmax_scale=validation.check_softmax_scale, return_lse=validation.check_static_bool,
+                           interpret=_OPTIONAL_BOOL))
 @functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "return_lse", "interpret",
                                              "config", "backend"))
 def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = True, softmax_scale: float | None = None,
@@ -64,11 +71,13 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       k, v: ``[num_tokens, num_kv_heads, head_dim]``, same dtype; ``num_q_heads % num_kv_heads == 0`` (GQA/MQA).
       cu_seqlens: ``i32[num_seqs + 1]``, non-decreasing from 0; request ``b`` owns rows
         ``[cu_seqlens[b], cu_seqlens[b+1])``. Rows at or past ``cu_seqlens[-1]`` are padding (output 0).
-      max_seqlen: static bound on every request's length (bucket it, e.g. next power of two, so batches share one
-        compiled program). A longer request is silently truncated: check with :func:`pallas_attn.checked`.
+        ``[0]`` (no request) and ``num_tokens == 0`` are valid: zeros (LSE -inf), no kernel launched.
+      max_seqlen: static Python int >= 1 bounding every request's length (bucket it, e.g. next power of two, so
+        batches share one compiled program). A longer request is silently truncated: check with
+        :func:`pallas_attn.checked`.
       causal: request-local causal mask (query ``i`` sees keys ``j <= i``); False: each request attends to all of
         its own tokens.
-      softmax_scale: default ``1/sqrt(head_dim)``.
+      softmax_scale: None (``1/sqrt(head_dim)``) or a finite Python float > 0.
       return_lse: also return the natural-log LSE ``f32[num_tokens, num_q_heads]`` (``-inf`` for padding rows).
       interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.core.backend`).
       config: the kernel's tuning knobs, never its semantics: :class:`pallas_attn.core.config.PrefillConfig`
@@ -82,27 +91,29 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         and ``num_tokens >= MOSAIC_MIN_TOKENS``), else Triton.
 
     Returns:
-      ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked).
+      ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked). Array arguments may be
+      numpy arrays or lists (converted; integer lists to int32). No backward pass: ``jax.grad`` raises
+      ``NotImplementedError``.
 
     Example:
       >>> cu = jnp.array([0, 6, 10], jnp.int32)          # request A: 6 tokens, B: 4 tokens
       >>> out = varlen_attention(q, k, v, cu, max_seqlen=8)
     """
-    _validate(q, k, v, cu_seqlens, max_seqlen)
-    if q.shape[0] == 0:  # no tokens: the kernels' grids and gathers need at least one row
-        return (q, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else q
+    _validate(q, k, v, cu_seqlens)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
         backend, config=config, default=lambda: default_backend(q, k, max_seqlen, interpret),
         mosaic_unsupported=lambda: mosaic_prefill.supported(q, k), config_types=CONFIG_TYPES)
+    if q.shape[0] == 0 or cu_seqlens.shape[0] == 1:  # no tokens or no request: every row is padding, no kernel
+        return common.no_rows(*q.shape, q.dtype, return_lse)
     if backend == "mosaic":
-        out, lse = mosaic_prefill.varlen_attention_mosaic(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,
-                                                         scale=float(scale), return_lse=return_lse,
-                                                         interpret=interpret,
-                                                         cfg=config or config_lib.MosaicPrefillConfig())
+        run = functools.partial(mosaic_prefill.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
+                                scale=float(scale), return_lse=return_lse, interpret=interpret,
+                                cfg=config or config_lib.MosaicPrefillConfig())
+        out, lse = common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens)
         return (out, lse) if return_lse else out
     cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
-    return triton_prefill.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen=max_seqlen, causal=causal,
-                                                 scale=float(scale), return_lse=return_lse, interpret=interpret,
-                                                 cfg=cfg)
+    run = functools.partial(triton_prefill.varlen_attention_triton, max_seqlen=max_seqlen, causal=causal,
+                            scale=float(scale), return_lse=return_lse, interpret=interpret, cfg=cfg)
+    return common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens)
