@@ -255,7 +255,7 @@ def test_staged_windows_hold_every_window_not_read_in_place(lens, extra, block_k
     num_tokens = max(int(cu[-1]) + extra, 1)  # varlen_attention returns at once on no tokens
     k = np.arange(1, num_tokens + 1, dtype=np.float32)[:, None, None] * np.ones((1, 2, 16), np.float32)
     k_staged, v_staged, kv_stage = (np.asarray(x) for x in _stage_kv(
-        jnp.asarray(k), jnp.asarray(-k), jnp.asarray(cu), block_kv, interpret=True))
+        jnp.asarray(k), jnp.asarray(-k), jnp.asarray(cu), block_kv, max(lens), interpret=True))
     for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         first_staged, staged0 = kv_stage[2 * b], kv_stage[2 * b + 1]
         num_windows = -(-(end - start) // block_kv)
@@ -292,12 +292,47 @@ def test_configs(rng, config):
 
 
 @pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
-def test_request_past_max_seqlen_leaves_the_others_intact(rng):
-    """A request longer than ``max_seqlen`` breaks the contract (its own rows are truncated); the other requests'
-    outputs stay right: its tiles cannot crowd theirs out of the static work list."""
+@pytest.mark.parametrize("causal", [True, False])
+def test_request_past_max_seqlen_is_truncated(rng, causal):
+    """A request longer than ``max_seqlen`` breaks the contract: it is truncated to its first ``max_seqlen`` rows,
+    queries and keys (its other rows are zeros, LSE -inf, as the reference defines), and the other requests stay
+    right: its tiles cannot crowd theirs out of the static work list."""
     lens = [300, 20, 20, 20]
     q, k, v, cu = _inputs(rng, lens, 2, 1, 64, jnp.bfloat16, pad=5)
-    out = varlen_attention(q, k, v, cu, max_seqlen=32, backend="mosaic")  # 4 work slots for 8 tiles
-    ref = reference.varlen_attention(q, k, v, cu)
-    rows = slice(300, 360)
-    assert_attention_close(out[rows], ref[rows], dtype=jnp.bfloat16)
+    out, lse = varlen_attention(q, k, v, cu, max_seqlen=32, causal=causal, return_lse=True,
+                                backend="mosaic")  # 4 work slots for 8 tiles
+    ref, ref_lse = reference.varlen_attention(q, k, v, cu, max_seqlen=32, causal=causal, return_lse=True)
+    assert_attention_close(out, ref, dtype=jnp.bfloat16)
+    assert np.all(np.asarray(out, np.float32)[32:300] == 0)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
+def test_rows_before_the_first_request_are_zero(rng):
+    """``cu_seqlens[0] > 0``: the rows before it belong to no request and come out zero, LSE -inf."""
+    lens = [13, 70, 1]
+    q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16, pad=3)
+    cu = cu.at[0].set(6)  # request 0 is rows 6..12
+    out, lse = varlen_attention(q, k, v, cu, max_seqlen=70, return_lse=True, backend="mosaic")
+    ref, ref_lse = reference.varlen_attention(q, k, v, cu, max_seqlen=70, return_lse=True)
+    assert_attention_close(out, ref, dtype=jnp.bfloat16)
+    assert np.all(np.asarray(out, np.float32)[:6] == 0) and np.all(np.asarray(lse)[:6] == -np.inf)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(cu=st.lists(st.integers(0, 90), min_size=2, max_size=8).map(sorted), extra=st.integers(0, 20),
+       max_seqlen=st.integers(1, 40))
+def test_zero_ranges_cover_exactly_the_rows_no_program_computes(cu, extra, max_seqlen):
+    from pallas_attn.kernels.mosaic.prefill import _zero_ranges
+    num_tokens = cu[-1] + extra
+    ranges = np.asarray(_zero_ranges(jnp.asarray(cu, jnp.int32), num_tokens, max_seqlen))
+    n = ranges[0]
+    zeroed = np.zeros(num_tokens, int)
+    for lo, hi in ranges[1:1 + 2 * n].reshape(-1, 2):
+        assert lo < hi
+        zeroed[lo:hi] += 1
+    computed = np.zeros(num_tokens, int)
+    for start, end in zip(cu[:-1], cu[1:]):
+        computed[start:min(end, start + max_seqlen)] += 1
+    np.testing.assert_array_equal(zeroed + computed, 1)

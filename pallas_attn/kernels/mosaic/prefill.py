@@ -32,8 +32,9 @@ Hopper's own instructions from Pallas (docs/design.md#backends):
   tile in one TMA, a partial one in at most six of 32, 16, …, 1 rows from the untiled O view). A query row of
   another request, even NaN, only makes its own score row garbage. When ``T`` is not a multiple of 8 (the tiled
   TMA descriptor needs whole 8-row groups), Q lands in the untiled view and is re-laid out through registers
-  instead. Padding rows (past ``cu_seqlens[-1]``) are zeroed by at most 16 extra programs per KV head, 512 rows
-  a round.
+  instead. Rows no program computes — padding past ``cu_seqlens[-1]``, rows before ``cu_seqlens[0]``, a
+  request's rows past ``max_seqlen`` (it is truncated, keys included: docs/design.md#isolation-whatever-the-inputs)
+  — are zeroed by at most 16 extra programs per KV head, 512 rows a round.
 * K/V are read in place where they can be: request ``b``'s window ``j`` is its keys ``block_kv · [j, j + 1)``,
   packed rows ``cu_seqlens[b] + block_kv · j`` onwards, which a TMA into tiled shared memory can read when
   ``cu_seqlens[b]`` is a multiple of 8 and the window ends inside the request. The others are staged, zero-filled
@@ -78,7 +79,7 @@ COMPUTE_WGS = 3
 REGISTERS = (160, 24)
 SMEM_BYTES = 232_448  # shared memory per block on sm_90 (227 KB)
 ROW_ALIGN = 8  # TMA into (8, 64)-tiled shared memory: a tile's packed row offset must be a provable multiple of 8
-PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # padding rows a program zeroes per round (rows past cu_seqlens[-1] must come out 0)
+PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # rows a padding program zeroes per round (rows no request computes must come out 0)
 # Padding programs per KV head at most (each loops over rounds): without padding they only launch and exit, as the
 # unused work slots do (P1: ~1,400 such programs)
 MAX_PAD_SLOTS = 16
@@ -117,9 +118,9 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
         cur = cur + jnp.where(take, size, 0)
 
 
-def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref, k_staged_ref,
-            v_staged_ref, o_ref, lse_ref, scoped, *, group: int, num_work_slots: int, num_pad_slots: int,
-            block_kv: int, mcs: int, causal: bool, scale2: float, compiled: bool, q_tiled_tma: bool,
+def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref,
+            k_staged_ref, v_staged_ref, o_ref, lse_ref, scoped, *, group: int, num_work_slots: int, num_pad_slots: int,
+            max_seqlen: int, block_kv: int, mcs: int, causal: bool, scale2: float, compiled: bool, q_tiled_tma: bool,
             p_chunks: int):
     (q_and_o, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     q_smem, o_smem = q_and_o  # one buffer: a warpgroup's O is written after its last Q Kᵀ
@@ -134,7 +135,7 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
     b = jnp.maximum(b_raw, 0)
     first_item = work_item_ref[jnp.minimum(w, num_work_slots - 1)]
     start = cu_ref[b]
-    seq_len = cu_ref[b + 1] - start
+    seq_len = jnp.minimum(cu_ref[b + 1] - start, max_seqlen)  # a longer request is truncated (zero_ref: the rest)
     num_items = q_tiles_ref[b] * group
     # A tile's rows sit at packed rows row0 + [0, 64): row0 is start rounded down to ROW_ALIGN (+ 64 m), so the Q
     # load is a plain TMA of the packed layout; rows before the request (r < lo) or after it (r >= hi) are loaded,
@@ -298,28 +299,28 @@ def _kernel(cu_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_re
             load(step + mcs, slot, k_ready=lambda: plgpu.barrier_wait(k_free.at[slot]),
                  v_ready=lambda: plgpu.barrier_wait(v_free.at[slot]))
 
-    @pl.when(jnp.logical_not(is_tile) & (wg < COMPUTE_WGS))
-    def _zero_padding():  # rows past cu_seqlens[-1], for this KV head's heads: PAD_ROWS_PER_SLOT per program a round
-        num_rows = o_ref.shape[0]
-        first = cu_ref[cu_ref.shape[0] - 1] + (w - num_work_slots) * PAD_ROWS_PER_SLOT
+    @pl.when(jnp.logical_not(is_tile) & (wg < COMPUTE_WGS) & (zero_ref[0] > 0))
+    def _zero_rows():  # the row ranges no program computes (_zero_ranges), for this KV head's heads
+        o_smem.at[wg][...] = jnp.zeros((BLOCK_Q, head_dim), dtype)
+        plgpu.commit_smem()
         stride = num_pad_slots * PAD_ROWS_PER_SLOT
 
-        @pl.when(first < num_rows)
-        def _zero():
-            o_smem.at[wg][...] = jnp.zeros((BLOCK_Q, head_dim), dtype)
-            plgpu.commit_smem()
+        @pl.loop(0, zero_ref[0])
+        def _range(i):  # PAD_ROWS_PER_SLOT rows per program a round, strided over the padding programs
+            first = zero_ref[1 + 2 * i] + (w - num_work_slots) * PAD_ROWS_PER_SLOT
+            end = zero_ref[2 + 2 * i]
 
-            @pl.loop(0, lax.div(num_rows - first + stride - 1, jnp.int32(stride)))
+            @pl.loop(0, lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride)))
             def _round(r):
                 for h in range(group):  # warpgroup wg zeroes heads wg, wg + COMPUTE_WGS, ... of the group
                     @pl.when(wg == h % COMPUTE_WGS)
                     def _head(h=h):
                         for c in range(PAD_ROWS_PER_SLOT // BLOCK_Q):
                             row = first + r * stride + c * BLOCK_Q
-                            _store_rows(o_smem.at[wg], o_ref, row, 0, jnp.clip(num_rows - row, 0, BLOCK_Q),
+                            _store_rows(o_smem.at[wg], o_ref, row, 0, jnp.clip(end - row, 0, BLOCK_Q),
                                         kv_head * group + h)
 
-            plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0)
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
@@ -337,12 +338,11 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group:
     the group). Its programs take ``COMPUTE_WGS`` consecutive items each (one per compute warpgroup): program ``c``
     of request ``b`` is work slot ``slot[cu_programs[b] + c]``. Sorting by the keys a program visits (longest first)
     gives the tail of the grid the short programs, wherever their request sits in the batch."""
-    starts, q_lens = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+    # a request longer than max_seqlen (a broken contract) is truncated to its first max_seqlen rows, so it cannot
+    # push other requests' tiles out of the static list
+    starts, q_lens = cu_seqlens[:-1], jnp.minimum(cu_seqlens[1:] - cu_seqlens[:-1], max_seqlen)
     shift = starts % ROW_ALIGN
-    # at most tiles_per_seq each: a request longer than max_seqlen (a broken contract) is truncated, and cannot push
-    # other requests' tiles out of the static list
-    n_tiles = jnp.where(q_lens > 0, jnp.minimum((q_lens + shift + BLOCK_Q - 1) // BLOCK_Q,
-                                                _tiles_per_seq(max_seqlen)), 0)
+    n_tiles = jnp.where(q_lens > 0, (q_lens + shift + BLOCK_Q - 1) // BLOCK_Q, 0)
     n_programs = (n_tiles * group + COMPUTE_WGS - 1) // COMPUTE_WGS
     req, program, cu_programs = metadata.segment_items(n_programs, num_slots)
     safe = jnp.maximum(req, 0)
@@ -381,7 +381,7 @@ def _stage_kernel(src_ref, end_ref, k_ref, v_ref, k_staged_ref, v_staged_ref, *,
                                                                     tok < end_ref[w]))
 
 
-def _stage_kv(k, v, cu_seqlens, block_kv: int, interpret: bool):
+def _stage_kv(k, v, cu_seqlens, block_kv: int, max_seqlen: int, interpret: bool):
     """The K/V windows the kernel cannot read in place, copied: ``(k_staged, v_staged [S · block_kv, Hkv, D],
     kv_stage i32[2 · num_seqs])``; request ``b``'s windows from ``kv_stage[2 b]`` on are staged windows
     ``kv_stage[2 b + 1]``, ``kv_stage[2 b + 1] + 1``, ...
@@ -390,11 +390,13 @@ def _stage_kv(k, v, cu_seqlens, block_kv: int, interpret: bool):
     multiple of 8 (TMA into tiled shared memory) and the window ends inside it; else staged, zeros past the
     request's end (a whole-window P @ V must not meet a neighbour's NaN). So a request starting on a multiple of 8
     stages at most its last window, and P1 nothing. A copy kernel, not an XLA gather: the static bound on staged
-    windows is all of K/V, and the gather would write all of it (zeros where unused) on every call."""
+    windows is all of K/V, and the gather would write all of it (zeros where unused) on every call. A request
+    longer than ``max_seqlen`` ends after its first ``max_seqlen`` keys, as in the kernel."""
     num_tokens, num_kv_heads, head_dim = k.shape
     num_seqs = cu_seqlens.shape[0] - 1
-    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
-    q_lens = ends - starts
+    starts = cu_seqlens[:-1]
+    q_lens = jnp.minimum(cu_seqlens[1:] - starts, max_seqlen)
+    ends = starts + q_lens
     num_windows = (q_lens + block_kv - 1) // block_kv
     first_staged = jnp.where(starts % ROW_ALIGN == 0, num_windows - (q_lens % block_kv != 0), 0)
     num_staged = pl.cdiv(num_tokens, block_kv) + num_seqs  # Σ_b cdiv(len_b, block_kv) at most
@@ -417,8 +419,23 @@ def _stage_kv(k, v, cu_seqlens, block_kv: int, interpret: bool):
     return (k_staged.reshape(-1, num_kv_heads, head_dim), v_staged.reshape(-1, num_kv_heads, head_dim), kv_stage)
 
 
+def _zero_ranges(cu_seqlens, num_tokens: int, max_seqlen: int):
+    """``i32[1 + 2 (num_seqs + 2)]``: the count ``n``, then ``n`` row ranges ``[start, end)`` that no program
+    computes — rows before ``cu_seqlens[0]``, each request's rows past its first ``max_seqlen``, rows from
+    ``cu_seqlens[-1]`` on — whose outputs must come out zero. Empty ranges are left out, so a well-formed batch
+    with padding has one, and the padding programs read three scalars."""
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    lo = jnp.concatenate([jnp.zeros((1,), jnp.int32), starts + jnp.minimum(ends - starts, max_seqlen),
+                          cu_seqlens[-1:]])
+    hi = jnp.concatenate([cu_seqlens[:1], ends, jnp.full((1,), num_tokens, jnp.int32)])
+    nonempty = hi > lo
+    index = jnp.where(nonempty, jnp.cumsum(nonempty) - 1, lo.shape[0])  # past the end: dropped
+    ranges = jnp.zeros((lo.shape[0], 2), jnp.int32).at[index].set(jnp.stack([lo, hi], 1), mode="drop")
+    return jnp.concatenate([jnp.sum(nonempty, dtype=jnp.int32)[None], ranges.reshape(-1)])
+
+
 def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, *, num_slots: int,
-                 causal: bool, scale: float, return_lse: bool, interpret: bool,
+                 max_seqlen: int, causal: bool, scale: float, return_lse: bool, interpret: bool,
                  cfg: config_lib.MosaicPrefillConfig):
     """The kernel on K/V (rows in whole 8-row groups), their staged windows and a work list: ``out [T, Hq, D]``,
     ``lse_tiles f32[num_slots, Hkv, W, 64]``."""
@@ -440,6 +457,7 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
     num_pad_slots = min(pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT), MAX_PAD_SLOTS)
     body = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, num_work_slots=num_slots, num_pad_slots=num_pad_slots,
+        max_seqlen=max_seqlen,
         block_kv=block_kv, mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E,
         compiled=not interpret, q_tiled_tma=num_tokens % ROW_ALIGN == 0, p_chunks=cfg.p_chunks)
 
@@ -459,7 +477,8 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
         entry, out_type=out_type, grid=(num_kv_heads, num_slots + num_pad_slots),
         grid_names=("heads", "work"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params,
-    )(cu_seqlens, kv_stage, q_tiles, work_req, work_item, q, k, v, k_staged, v_staged)
+    )(cu_seqlens, _zero_ranges(cu_seqlens, num_tokens, max_seqlen), kv_stage, q_tiles, work_req, work_item, q, k, v,
+      k_staged, v_staged)
 
 
 def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
@@ -481,18 +500,21 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group)
     work_req, work_item, work_slot, cu_programs, q_tiles = _work_list(cu_seqlens, num_slots, causal, max_seqlen,
                                                                       group)
-    k_staged, v_staged, kv_stage = _stage_kv(k, v, cu_seqlens, cfg.block_kv, interpret)
+    k_staged, v_staged, kv_stage = _stage_kv(k, v, cu_seqlens, cfg.block_kv, max_seqlen, interpret)
     if num_tokens % ROW_ALIGN:  # a TMA into tiled shared memory reads whole 8-row groups of K/V
         k, v = (jnp.pad(x, ((0, -num_tokens % ROW_ALIGN), (0, 0), (0, 0))) for x in (k, v))
     out, lse_tiles = _call_kernel(
         q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots,
+        max_seqlen=max_seqlen,
         causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, cfg=cfg)
     if not return_lse:
         return out, None
     token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
-    valid, req = token_req >= 0, jnp.maximum(token_req, 0)
+    req = jnp.maximum(token_req, 0)
+    position = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[req]
+    valid = (token_req >= 0) & (position < max_seqlen)  # a longer request's rows past max_seqlen: -inf, as padding
     # LSE rows are in the kernel's tile coordinates: tile row = request-local position + cu_seqlens[b] % 8
-    local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[req] + cu_seqlens[req] % ROW_ALIGN
+    local = position + cu_seqlens[req] % ROW_ALIGN
     head = jnp.arange(num_q_heads, dtype=jnp.int32)
     item = (local // BLOCK_Q)[:, None] * group + head % group  # [T, Hq]: the item within (request, KV head)
     slot = work_slot[jnp.minimum(cu_programs[req][:, None] + item // COMPUTE_WGS, num_slots - 1)]
