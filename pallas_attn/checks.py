@@ -15,9 +15,8 @@ Rules (``B`` requests, ``T`` packed rows, ``bs`` = block_size; the kernel's stat
 * ``seq_lens``: ``>= 0``; ``q_len <= seq_len`` (ragged paged attention).
 * ``block_tables``: wide enough (``cdiv(len, bs) <= max_blocks``) and entries ``[b, :cdiv(len, bs)]`` in
   ``[0, num_blocks)``. Entries past a request's last page are never read, so they may hold anything.
-* ``topk_indices`` (sparse MLA, real tokens only): ``>= -1``; ``< seq_lens[request]`` when the checked wrapper gets
-  the optional ``seq_lens=`` keyword (i32[num_seqs], sparse only: the kernel itself has no such argument), else
-  ``< max_blocks * bs`` and the page each valid index lands on in ``[0, num_blocks)``.
+* ``topk_indices`` (sparse MLA, real tokens only): ``>= -1``; ``< seq_lens[request]`` when ``seq_lens`` is given,
+  else ``< max_blocks * bs``; the page each valid index lands on in ``[0, num_blocks)``.
 
 The error is :class:`CheckError`, a ``ValueError``; checkify reports the first failing rule in the order above.
 
@@ -61,7 +60,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from pallas_attn.core import validation
 from pallas_attn.core.metadata import token_requests
 from pallas_attn.ops import decode as decode_ops, paged as paged_ops, sparse_mla as sparse_ops, varlen as varlen_ops
 from pallas_attn.ops.common import renamed_argument
@@ -229,22 +227,11 @@ def _sparse_rules(a) -> jax.Array:
     return ok
 
 
-def _validate_sparse(a) -> None:
-    sparse_ops._validate(a["q"], a["kv_cache"], a["block_tables"], a["topk_indices"], a["cu_query_lens"],
-                         a["kv_lora_rank"])
-    if a["seq_lens"] is not None:  # the wrapper's own argument
-        validation.check_rank("seq_lens", a["seq_lens"], 1, "i32[num_seqs]")
-        validation.check_int32("seq_lens", a["seq_lens"])
-        validation.check_shape("seq_lens", a["seq_lens"], (a["block_tables"].shape[0],),
-                               "i32[num_seqs] with num_seqs = block_tables.shape[0]")
-
-
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     rules: Callable  # bound arguments -> scalar bool (emits checkify.check calls)
     validate: Callable  # bound arguments -> None: the kernel's own static (shape / dtype) rules, raised first
     arrays: tuple[str, ...]  # traced arguments; every other argument is static
-    extra: tuple[str, ...] = ()  # keyword arguments of the wrapper only (int32 arrays, not passed to the kernel)
 
 
 _SPECS: dict[Callable, _Spec] = {
@@ -258,9 +245,11 @@ _SPECS: dict[Callable, _Spec] = {
                            lambda a: paged_ops._validate(*(a[k] for k in ("q", "k_cache", "v_cache", "block_tables",
                                                                           "seq_lens", "cu_query_lens"))),
                            ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_query_lens")),
-    sparse_mla_attention: _Spec(_sparse_rules, _validate_sparse,
-                                ("q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens"),
-                                extra=("seq_lens",)),
+    sparse_mla_attention: _Spec(_sparse_rules,
+                                lambda a: sparse_ops._validate(*(a[k] for k in (
+                                    "q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens", "seq_lens",
+                                    "kv_lora_rank"))),
+                                ("q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens", "seq_lens")),
 }
 
 
@@ -321,11 +310,10 @@ def checked(fn: Callable) -> Callable:
         :func:`~pallas_attn.paged_attention` or :func:`~pallas_attn.sparse_mla_attention`.
 
     Returns:
-      A function with ``fn``'s signature (plus an optional ``seq_lens=`` keyword, ``i32[num_seqs]``, for the sparse
-      kernel) that raises :class:`CheckError` when the data breaks a rule of this module's docstring and otherwise
-      returns exactly what ``fn`` returns (the same compiled kernel on the same arguments: bit-identical). It
-      takes the arguments ``fn`` takes (numpy arrays and lists included) and raises ``fn``'s own static errors
-      (shapes, dtypes, static arguments) before checking any value.
+      A function with ``fn``'s signature that raises :class:`CheckError` when the data breaks a rule of this
+      module's docstring and otherwise returns exactly what ``fn`` returns (the same compiled kernel on the same
+      arguments: bit-identical). It takes the arguments ``fn`` takes (numpy arrays and lists included) and raises
+      ``fn``'s own static errors (shapes, dtypes, static arguments) before checking any value.
 
     Raises:
       TypeError: ``fn`` is not one of the four kernels.
@@ -340,13 +328,10 @@ def checked(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        extra = {k: kwargs.pop(k, None) for k in spec.extra}
-        extra = {k: None if v is None else validation.as_array(k, v, jnp.int32) for k, v in extra.items()}
         args, kwargs = fn.normalize(*args, **kwargs)  # fn's own conversions and static-argument checks
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         arrays = {k: bound.arguments[k] for k in spec.arrays}
-        arrays.update(extra)
         statics = tuple(sorted((k, v) for k, v in bound.arguments.items() if k not in spec.arrays))
         spec.validate({**arrays, **dict(statics)})
         if _is_traced(arrays):  # inside the caller's trace: emit checks, gate the kernel on them
@@ -363,11 +348,7 @@ def checked(fn: Callable) -> Callable:
             raise CheckError(f"{name}: {e}") from None
         return fn(*args, **kwargs)
 
-    del wrapper.normalize  # copied from fn by functools.wraps; it does not know the wrapper's extra arguments
-    if spec.extra:
-        params = list(sig.parameters.values())
-        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in spec.extra]
-        wrapper.__signature__ = sig.replace(parameters=params)
+    del wrapper.normalize  # copied from fn by functools.wraps: the wrapper normalizes through fn
     for old, new in getattr(fn, "renamed_arguments", {}).items():  # the kernel's deprecated names work here too
         wrapper = renamed_argument(old, new)(wrapper)
     return wrapper

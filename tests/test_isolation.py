@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_attn import (DecodeConfig, PrefillConfig, SparseConfig, paged_attention, paged_decode_attention, reference,
-                         sparse_mla_attention, varlen_attention)
+from pallas_attn import (
+    DecodeConfig,
+    PrefillConfig,
+    SparseConfig,
+    paged_attention,
+    paged_decode_attention,
+    reference,
+    sparse_mla_attention,
+    varlen_attention,
+)
 from pallas_attn.testing import assert_attention_close, make_paged_kv, random_packed
 
 BLOCK = 4  # tokens per page
@@ -66,6 +74,28 @@ def test_decode_corrupt_request_stays_alone(rng, name, corrupt, num_splits):
     _rows_equal(out, clean, [0, 2, 3])
     # A length past the request's keys reads its own last page's unwritten (here NaN) slots, as the reference does.
     _like_reference(out, reference.paged_decode_attention(q, kc, vc, bt_bad, sl_bad))
+
+
+@pytest.mark.parametrize("bad_page", [0, 5, 9, None])
+def test_page_check_walks_every_chunk(rng, monkeypatch, bad_page):
+    """The pre-loop page check reads the table in chunks: a bad page in any chunk sends the tiles to the guarded
+    step (4 entries a chunk here, so a 10-page request takes three)."""
+    from pallas_attn.core import tiles
+    monkeypatch.setattr(tiles, "PAGE_CHECK_CHUNK", 4)
+    lens = [37, 40, 5]
+    kc, vc, bt = make_paged_kv(rng, lens, BLOCK, 1, 16, F32, max_blocks=11, table_padding="neg")
+    if bad_page is not None:
+        bt = bt.at[1, bad_page].set(kc.shape[0] + bad_page)
+    q = jnp.asarray(rng.standard_normal((3, 2, 16)), F32)
+    sl = jnp.asarray(lens, jnp.int32)
+    cfg = DecodeConfig(block_n=16)  # tiles 0 and 1 are full, tile 2 masked
+    out = paged_decode_attention(q, kc, vc, bt, sl, num_splits=1, config=cfg)
+    _no_nan(out)
+    _like_reference(out, reference.paged_decode_attention(q, kc, vc, bt, sl))
+    cu = jnp.arange(4, dtype=jnp.int32)
+    out = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=1, config=cfg)
+    _no_nan(out)
+    _like_reference(out, reference.paged_attention(q, kc, vc, bt, sl, cu))
 
 
 # ------------------------------------------------------------------------------------------------ ragged paged
@@ -152,7 +182,8 @@ def test_varlen_corrupt_boundaries(rng, name, cu_bad, intact, causal):
 
 # ------------------------------------------------------------------------------------------------ sparse MLA
 def test_sparse_page_outside_pool_is_ignored(rng):
-    """A top-k index on a page id outside the pool is ignored like -1 (Triton kernel; the Mosaic one clamps)."""
+    """A top-k index on a page id outside the pool is ignored like -1 (the Mosaic kernel: tests/test_sparse.py on
+    the GPU)."""
     lens = [40, 24]
     kv, _, bt = make_paged_kv(rng, lens, 8, None, 64 + 32, F32, max_blocks=6)
     q = jnp.asarray(rng.standard_normal((2, 16, 96)), F32)
@@ -165,6 +196,29 @@ def test_sparse_page_outside_pool_is_ignored(rng):
     _no_nan(out)
     _rows_equal(out, clean, [1])
     assert_attention_close(out[:1], reference.sparse_mla_attention(q, kv, bt_bad, topk, kv_lora_rank=64)[:1])
+
+
+def test_sparse_index_past_seq_len_is_ignored(rng):
+    """With ``seq_lens``, a top-k index past the request's keys but inside an owned page (an unwritten, here NaN,
+    slot) is ignored like -1; without it only the table's capacity bounds indices (the slot is read)."""
+    lens = [37, 20]
+    kv, _, bt = make_paged_kv(rng, lens, 8, None, 64 + 32, F32, max_blocks=6)  # slots past each length: NaN
+    q = jnp.asarray(rng.standard_normal((3, 16, 96)), F32)
+    topk = np.stack([rng.permutation(37)[:16], rng.permutation(20)[:16], rng.permutation(20)[:16]]).astype(np.int32)
+    cu = jnp.asarray([0, 1, 3], jnp.int32)
+    sl = jnp.asarray(lens, jnp.int32)
+    kw = dict(cu_query_lens=cu, kv_lora_rank=64, config=SparseConfig(block_n=16, block_h=16), backend="triton")
+    clean = sparse_mla_attention(q, kv, bt, jnp.asarray(topk), seq_lens=sl, **kw)
+    bad = topk.copy()
+    bad[1, :3] = [20, 23, 47]  # request 1's last page holds slots 16..23; 47 is past the table row
+    bad[0, 0] = 39  # request 0's last page: slots 32..39
+    out = sparse_mla_attention(q, kv, bt, jnp.asarray(bad), seq_lens=sl, **kw)
+    _no_nan(out)
+    _rows_equal(out, clean, [2])
+    assert_attention_close(out, reference.sparse_mla_attention(q, kv, bt, jnp.asarray(bad), cu_query_lens=cu,
+                                                               seq_lens=sl, kv_lora_rank=64))
+    unbounded = sparse_mla_attention(q, kv, bt, jnp.asarray(bad), **kw)  # slot 20 of request 1 read: NaN
+    assert np.isnan(np.asarray(unbounded)[1]).all() and not np.isnan(np.asarray(unbounded)[2]).any()
 
 
 # ------------------------------------------------------------------------------------------------ property

@@ -151,10 +151,11 @@ def test_mosaic_lowers_for_cuda(heads, topk, block_size, splits):
     S = jax.ShapeDtypeStruct
     topk_p = -(-topk // sparse_mosaic.BLOCK_N) * sparse_mosaic.BLOCK_N
     args = (S((3, heads, 576), jnp.bfloat16), S((40, block_size, 576), jnp.bfloat16), S((3, 40), jnp.int32),
-            S((3, topk_p), jnp.int32), S((3,), jnp.int32))
+            S((3, topk_p), jnp.int32), S((3,), jnp.int32), S((3,), jnp.int32))
 
-    def f(q, kv, bt, ti, tr):
-        return sparse_mosaic.sparse_mla_mosaic(q, kv, bt, ti, tr, kv_lora_rank=512, scale=0.04, num_splits=splits)
+    def f(q, kv, bt, ti, tr, tk):
+        return sparse_mosaic.sparse_mla_mosaic(q, kv, bt, ti, tr, tk, kv_lora_rank=512, scale=0.04,
+                                               num_splits=splits)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -21,7 +21,7 @@ from pallas_attn.ops import common
 _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
-def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_rank):
+def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, seq_lens, kv_lora_rank):
     validation.check_rank("q", q, 3, "[num_tokens, num_heads, kv_lora_rank + rope_dim]")
     validation.check_rank("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
     validation.check_float("q", q)
@@ -47,6 +47,10 @@ def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_ra
         validation.check_int32("cu_query_lens", cu_query_lens)
         validation.check_shape("cu_query_lens", cu_query_lens, (block_tables.shape[0] + 1,),
                                "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
+    if seq_lens is not None:
+        validation.check_int32("seq_lens", seq_lens)
+        validation.check_shape("seq_lens", seq_lens, (block_tables.shape[0],),
+                               "i32[num_seqs] with num_seqs = block_tables.shape[0]")
 
 
 BACKENDS = backend_lib.BACKENDS
@@ -69,12 +73,13 @@ def default_backend(q, kv_lora_rank: int, interpret: bool) -> str:
     return "mosaic" if mosaic_sparse.supported(q, kv_lora_rank) is None else "triton"
 
 
-@common.front(arrays=("q", "kv_cache"), int_arrays=("block_tables", "topk_indices", "cu_query_lens"),
+@common.front(arrays=("q", "kv_cache"), int_arrays=("block_tables", "topk_indices", "cu_query_lens", "seq_lens"),
               statics=dict(kv_lora_rank=validation.check_static_int, softmax_scale=validation.check_softmax_scale,
                            return_lse=validation.check_static_bool, interpret=_OPTIONAL_BOOL))
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "return_lse", "interpret", "config",
                                              "backend"))
-def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, kv_lora_rank: int = 512,
+def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, seq_lens=None,
+                         kv_lora_rank: int = 512,
                          softmax_scale: float | None = None, return_lse: bool = False,
                          interpret: bool | None = None, config: config_lib.SparseConfig | None = None,
                          backend: str | None = None):
@@ -85,9 +90,12 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
       kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` one shared latent head per position.
       block_tables: ``i32[num_seqs, max_blocks]``.
       topk_indices: ``i32[num_tokens, topk]`` request-local positions; ``-1`` = unused; duplicates count twice.
-        Indices must be below the request's length (:func:`pallas_attn.checked` verifies it).
+        An index past the request's keys (``seq_lens[b]``, else the table row's capacity), below ``-1`` or on a
+        page id outside the pool is ignored like ``-1`` (:func:`pallas_attn.checked` reports it).
       cu_query_lens: ``i32[num_seqs + 1]``; None means one token per request (decode, ``num_tokens == num_seqs``).
         Tokens at or past ``cu_query_lens[-1]`` are padding (output 0, LSE -inf).
+      seq_lens: ``i32[num_seqs]`` keys of each request (clamped to the table's capacity), or None: indices are
+        then bounded by the capacity only, and a stale slot of an owned page past the request's keys is read.
       kv_lora_rank: value dims (the first ``kv_lora_rank`` of each row); output ``[num_tokens, num_heads,
         kv_lora_rank]``.
       softmax_scale: None (``1/sqrt(q.shape[-1])``, ``1/sqrt(576)``) or a finite Python float > 0.
@@ -108,7 +116,7 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     Example:
       >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request
     """
-    _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, kv_lora_rank)
+    _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, seq_lens, kv_lora_rank)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
@@ -120,6 +128,9 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     num_tokens = q.shape[0]
     token_req = (jnp.arange(num_tokens, dtype=jnp.int32) if cu_query_lens is None
                  else metadata.token_requests(cu_query_lens, num_tokens))
+    capacity = block_tables.shape[1] * kv_cache.shape[1]
+    keys = capacity if seq_lens is None else jnp.clip(seq_lens, 0, capacity)[jnp.maximum(token_req, 0)]
+    token_keys = jnp.where(token_req >= 0, keys, 0).astype(jnp.int32)  # indices a token may use: [0, keys)
     topk = _padded_topk(topk_indices.shape[1])
     if backend == "mosaic":
         if topk != topk_indices.shape[1]:
@@ -128,5 +139,6 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     else:
         run = functools.partial(triton_sparse.sparse_mla_triton, kv_lora_rank=kv_lora_rank, scale=float(scale),
                                 interpret=interpret, cfg=config or config_lib.default_sparse_config(q.shape[1]))
-    out, lse = common.no_backward("sparse_mla_attention", run)(q, kv_cache, block_tables, topk_indices, token_req)
+    out, lse = common.no_backward("sparse_mla_attention", run)(q, kv_cache, block_tables, topk_indices, token_req,
+                                                               token_keys)
     return (out, lse) if return_lse else out

@@ -92,28 +92,28 @@ def _index(v):
     return arith.index_cast(ir.IndexType.get(), v)
 
 
-def _resolve_slots(topk_row, table_row, slots, *, block_size: int, num_pages: int, max_blocks: int):
-    """``slots[i] = block_table[req, p // bs] * bs + p % bs`` for ``p = topk_row[i]``, ``-1`` where ``p`` is unused
-    (``-1``) or past the table row; page numbers clamped into the pool (a bad index reads a wrong row, never faults).
+def _resolve_slots(topk_row, table_row, num_keys, slots, *, block_size: int, num_pages: int):
+    """``slots[i] = block_table[req, p // bs] * bs + p % bs`` for ``p = topk_row[i]``, ``-1`` where ``p`` is unused:
+    outside ``[0, num_keys[0])`` (the token's keys, at most the table row's) or on a page id outside the pool.
     The rule of :func:`pallas_attn.core.tiles.paged_rows` (which the Triton kernel calls), written as inlined Mosaic GPU
     code: the Pallas Mosaic GPU backend has no gather from a GMEM table.
     Each of the warpgroup's 128 threads takes every 128th entry: independent loads, one latency for all."""
-    max_pos = max_blocks * block_size
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
-    def resolve(ctx, topk_ref, table_ref, slots_ref):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def resolve(ctx, topk_ref, table_ref, keys_ref, slots_ref):
         del ctx
         n = ir.MemRefType(slots_ref.type).shape[0]
         tid = arith.remui(mgpu.utils.thread_idx(), _i32(WG_THREADS))
+        max_pos = memref.load(keys_ref, [_index(_i32(0))])
 
         def one(i32):
             i = _index(i32)
             pos = memref.load(topk_ref, [i])
             valid = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, pos, _i32(0)),
-                               arith.cmpi(arith.CmpIPredicate.slt, pos, _i32(max_pos)))
+                               arith.cmpi(arith.CmpIPredicate.slt, pos, max_pos))
             pos = arith.select(valid, pos, _i32(0))
             page = memref.load(table_ref, [_index(arith.divui(pos, _i32(block_size)))])
-            page = arith.maxsi(arith.minsi(page, _i32(num_pages - 1)), _i32(0))
+            valid = arith.andi(valid, arith.andi(arith.cmpi(arith.CmpIPredicate.sge, page, _i32(0)),
+                                                 arith.cmpi(arith.CmpIPredicate.slt, page, _i32(num_pages))))
             slot = arith.addi(arith.muli(page, _i32(block_size)), arith.remui(pos, _i32(block_size)))
             memref.store(arith.select(valid, slot, _i32(-1)), slots_ref, [i])
 
@@ -127,7 +127,7 @@ def _resolve_slots(topk_row, table_row, slots, *, block_size: int, num_pages: in
         # Every thread gathers rows whose slots other threads resolved: all stores land before any gather reads.
         mgpu.utils.warpgroup_barrier()
 
-    resolve(topk_row, table_row, slots)
+    resolve(topk_row, table_row, num_keys, slots)
 
 
 def _gather(kv_ref, slots, dsts):
@@ -226,8 +226,8 @@ def _wait_gathers():
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
-def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, scoped, *, block_size: int,
-            num_pages: int, scale2: float, col_blocks: tuple[tuple[int, int], ...],
+def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, scoped, *,
+            block_size: int, num_pages: int, scale2: float, col_blocks: tuple[tuple[int, int], ...],
             registers: tuple[int, int, int], split_tiles: int):
     (qo, k_nope, k_rope, ring, stats), (q_bar, loaded, p_ready, consumed, l_ready) = scoped
     t = lax.axis_index("token")
@@ -331,8 +331,8 @@ def _kernel(token_req_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, s
     def _memory():
         def resolve(j, n: int):  # tiles j .. j + n - 1 into the ring (j % RING + n <= RING)
             _resolve_slots(topk_ref.at[t, pl.ds((split * split_tiles + j) * BLOCK_N, n * BLOCK_N)], table_ref.at[req],
-                           ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, n * BLOCK_N)], block_size=block_size,
-                           num_pages=num_pages, max_blocks=table_ref.shape[1])
+                           token_keys_ref.at[pl.ds(t, 1)], ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, n * BLOCK_N)],
+                           block_size=block_size, num_pages=num_pages)
 
         def issue(j):  # tile j into its slot: loaded[slot] completes when every thread's copies have landed
             slot = lax.rem(j, NUM_SLOTS)
@@ -376,7 +376,8 @@ def default_splits(num_programs: int, num_tiles: int, num_sms: int | None = None
                if num_tiles % d == 0 and (d == 1 or (num_programs * d <= sms and num_tiles // d >= MIN_SPLIT_TILES)))
 
 
-def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, *, kv_lora_rank: int, scale: float,
+def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, token_keys, *, kv_lora_rank: int,
+                      scale: float,
                       registers: tuple[int, int, int] = (240, 224, 40), score_cols: int = SCORE_COLS,
                       num_splits: int | None = None):
     """``(out [T, H, kv_lora_rank], lse f32[T, H])``; arguments validated by
@@ -424,5 +425,5 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, *, kv_
         grid=(num_tokens, num_heads // BLOCK_H, num_splits), grid_names=("token", "hblk", "split"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(token_req, topk_indices, block_tables, q, kv_cache.reshape(num_blocks * block_size, dim))
+    )(token_req, token_keys, topk_indices, block_tables, q, kv_cache.reshape(num_blocks * block_size, dim))
     return softmax.merge_split_outputs(out, lse, num_splits, (num_tokens, num_heads, kv_lora_rank), q.dtype)

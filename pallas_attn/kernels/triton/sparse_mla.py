@@ -37,6 +37,7 @@ from pallas_attn.core import config as config_lib, softmax, tiles
 def _sparse_kernel(
     # inputs
     token_req_ref,  # i32[T]: owning request of each token, -1 for padding tokens
+    token_keys_ref,  # i32[T]: indices of token t must lie in [0, token_keys[t]) (0 for padding tokens)
     block_tables_ref,  # i32[num_seqs * max_blocks]
     topk_ref,  # i32[T * topk_padded]: request-local positions, -1 unused
     q_ref,  # [T * H, Dqk]
@@ -57,6 +58,7 @@ def _sparse_kernel(
     rope = tiles.Cols(rope_dim, config_lib.next_pow2(rope_dim), offset=kv_lora_rank) if rope_dim else None
     value = tiles.Cols(value_width, value_width, offset=vs * value_width)  # this program's output columns
     req = token_req_ref[t]
+    num_keys = token_keys_ref[t]
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
 
     def load_split(ref, rows, row_mask):
@@ -68,8 +70,8 @@ def _sparse_kernel(
 
     def step(j, state):
         pos = plgpu.load(topk_ref.at[t * topk + j * block_n + jnp.arange(block_n)])  # [N]
-        # Indices past the table row and pages outside the pool are ignored like -1 (safe mode reports them).
-        valid = (pos >= 0) & (pos < max_blocks * block_size) & (req >= 0)
+        # Indices past the request's keys and pages outside the pool are ignored like -1 (safe mode reports them).
+        valid = (pos >= 0) & (pos < num_keys)
         slot, page_ok = tiles.paged_rows(block_tables_ref, req * max_blocks, pos, block_size, 1, 0,
                                          kv_ref.shape[0] // block_size, valid)  # [N]
         valid = valid & page_ok  # an index on a page id outside the pool is ignored like -1
@@ -98,7 +100,8 @@ def _sparse_kernel(
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req, *, kv_lora_rank, scale, interpret,
+def sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req, token_keys, *, kv_lora_rank, scale,
+                      interpret,
                  cfg: config_lib.SparseConfig):
     num_tokens, num_heads, dim_qk = q.shape
     num_blocks, block_size, _ = kv_cache.shape
@@ -119,7 +122,7 @@ def sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req, *, kv_
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_tokens, pl.cdiv(num_heads, block_h)) + ((cfg.value_splits,) if cfg.value_splits > 1 else ()),
-        in_specs=[vec(num_tokens), vec(num_seqs * max_blocks), vec(num_tokens * topk_padded),
+        in_specs=[vec(num_tokens), vec(num_tokens), vec(num_seqs * max_blocks), vec(num_tokens * topk_padded),
                   mat(num_tokens * num_heads, dim_qk), mat(num_blocks * block_size, dim_qk)],
         out_specs=[mat(num_tokens * num_heads, kv_lora_rank), vec(num_tokens * num_heads)],
         out_shape=[jax.ShapeDtypeStruct((num_tokens * num_heads, kv_lora_rank), q.dtype),
@@ -127,6 +130,6 @@ def sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req, *, kv_
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"sparse_mla_d{dim_qk}_v{kv_lora_rank}_bs{block_size}",
-    )(token_req, block_tables.reshape(-1), topk_indices.reshape(-1), q.reshape(-1, dim_qk),
+    )(token_req, token_keys, block_tables.reshape(-1), topk_indices.reshape(-1), q.reshape(-1, dim_qk),
       kv_cache.reshape(-1, dim_qk))
     return out.reshape(num_tokens, num_heads, kv_lora_rank), lse.reshape(num_tokens, num_heads)
