@@ -128,6 +128,29 @@ def test_mosaic_matches_reference(name, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_corrupt_indices_and_pages_are_ignored_compiled(rng, backend):
+    """Indices past ``seq_lens`` inside an owned page (unwritten, NaN slots), past the table row, below -1, and on
+    page ids outside the pool: all ignored like -1, the other requests bit-identical (docs/design.md#isolation-
+    whatever-the-inputs)."""
+    lens = [700, 300, 129]
+    kv, _, bt = make_paged_kv(rng, lens, 64, None, 576, jnp.bfloat16, max_blocks=16)
+    idx = _topk(rng, lens, [1, 1, 1], 256)
+    q = jnp.asarray(rng.standard_normal((3, 128, 576)), jnp.bfloat16)
+    sl = jnp.asarray(lens, jnp.int32)
+    kw = dict(seq_lens=sl, kv_lora_rank=512, backend=backend)
+    clean = np.asarray(sparse_mla_attention(q, kv, bt, jnp.asarray(idx), **kw), np.float32)
+    bad = idx.copy()
+    bad[1, :4] = [300, 383, 1023, -7]  # past seq_len in its last page, on a table entry it does not use, below -1
+    bt_bad = bt.at[0, 3].set(-2).at[0, 5].set(kv.shape[0] + 3)  # request 0: keys 192..255 and 320..383 masked
+    out = np.asarray(sparse_mla_attention(q, kv, bt_bad, jnp.asarray(bad), **kw), np.float32)
+    assert not np.isnan(out).any()
+    np.testing.assert_array_equal(out[2], clean[2])
+    ref = reference.sparse_mla_attention(q, kv, bt_bad, jnp.asarray(bad), seq_lens=sl, kv_lora_rank=512)
+    assert_attention_close(out, ref, dtype=jnp.bfloat16)
+
+
+@pytest.mark.gpu
 def test_mosaic_split_matches_reference(monkeypatch, rng):
     """Each token's top-k list shared by 4 programs per head block, partial outputs merged (the default rule splits
     lists of 1024+ positions of small batches; forced here on a shorter one, with the usual hostile inputs: token 0
