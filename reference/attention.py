@@ -105,11 +105,14 @@ def _attend(q, k, v, visible, scale) -> tuple[jax.Array, jax.Array]:
 
     # Subscripts: m query row, n key row, k kv head, g query head within its group, d head dim.
     s = jnp.einsum("mkgd,nkd->kgmn", q, k, precision=_HIGHEST) * scale  # [Hkv, G, M, N]
+    # Masked scores are -inf BEFORE the exponential: exp of a masked score far above the row max would be inf, and
+    # XLA may turn where(mask, inf, 0) into inf * 0 = NaN (seen at q × 1e20).
+    s = jnp.where(visible, s, -jnp.inf)
     # `initial` makes the max of an empty or fully masked row -inf instead of an error.
-    row_max = jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
+    row_max = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
     # Shift by 0 for rows with no visible key so that no -inf - -inf NaN is ever formed.
     shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(visible, jnp.exp(s - shift), 0.0)  # [Hkv, G, M, N]
+    p = jnp.exp(s - shift)  # [Hkv, G, M, N]; 0 where masked
     denom = p.sum(axis=-1)  # [Hkv, G, M]
     out = jnp.einsum("kgmn,nkd->mkgd", p, v, precision=_HIGHEST)  # [M, Hkv, G, Dv]
     out = out / jnp.where(denom > 0, denom, 1.0).transpose(2, 0, 1)[..., None]

@@ -505,3 +505,19 @@ ERROR_CASES = [
 def test_errors(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_huge_logits_match_float64(head_dim):
+    """q × 1e20: scores near 1e21 stay finite in float32 and the softmax is one-hot-like; no NaN, float64 agrees."""
+    rng = np.random.default_rng(5)
+    q = (rng.standard_normal((6, 2, head_dim)) * 1e20).astype(np.float32)
+    k = rng.standard_normal((6, 1, head_dim)).astype(np.float32)
+    v = rng.standard_normal((6, 1, head_dim)).astype(np.float32)
+    out = np.asarray(ref.varlen_attention(q, k, v, [0, 6]))
+    s = np.einsum("mhd,nd->hmn", q.astype(np.float64), k[:, 0].astype(np.float64)) / np.sqrt(head_dim)
+    s = np.where(np.tril(np.ones((6, 6), bool))[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("hmn,nd->mhd", p / p.sum(-1, keepdims=True), v[:, 0].astype(np.float64))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
