@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from pallas_attn.core.metadata import token_requests
-from pallas_attn.ops.decode import paged_decode_attention, renamed_argument
+from pallas_attn.ops.common import renamed_argument
+from pallas_attn.ops.decode import paged_decode_attention
 from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.sparse_mla import sparse_mla_attention
 from pallas_attn.ops.varlen import varlen_attention

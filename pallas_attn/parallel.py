@@ -71,7 +71,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from pallas_attn.ops.decode import paged_decode_attention, renamed_argument
+from pallas_attn.ops.common import renamed_argument
+from pallas_attn.ops.decode import paged_decode_attention
 from pallas_attn.ops.merge import merge_attention_states
 from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.sparse_mla import sparse_mla_attention
