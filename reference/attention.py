@@ -16,10 +16,28 @@ Shared conventions (docs/design.md#conventions):
     page may hold `-1` or garbage, and pages it does not own may hold NaN.
   * Kernel-only keyword arguments (`max_seqlen`, `max_query_len`, `num_splits`, `split_size`, `interpret`) are
     accepted and ignored so that a reference call and a kernel call look the same.
+
+Model-family features (docs/design.md#model-family-features), keyword arguments with one meaning everywhere:
+  * `window_size=(left, right)`, FlashAttention's convention (-1: unbounded on that side): the query at position
+    i sees keys j with i - left <= j <= i + right, intersected with causality where causal.
+  * `softcap` (0: off): the scaled score s becomes softcap * tanh(s / softcap) (Gemma 2, Grok).
+  * `alibi_slopes` (f32[Hq]): adds slope_h * (j - i) to the score. Causal keys have j <= i, so the bias is
+    -slope_h * distance; a key after its query (non-causal) gets a positive bias.
+  * `sinks` (f32[Hq], gpt-oss): a logit with no value in every row's softmax denominator,
+    out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink_h)). The LSE stays over the keys only, so that split
+    states still merge; `merge_attention_states(..., sinks=)` applies the sink once, to the merged state.
+    A row that sees no key still gives 0 and -inf: a sink alone does not make a row.
+Positions i, j are request-local in `varlen_attention` and absolute in the paged oracles (the decode query sits at
+seq_len - 1; in `paged_attention` local query i sits at context_len + i), as the causal mask already reads them.
+Order of operations, in `_attend` for every oracle:
+
+    s = softmax_scale * q·k  ->  softcap * tanh(s / softcap)  ->  + slope_h * (j - i)
+      ->  -inf where masked (causal, window, lengths, pages)  ->  softmax, exp(sink_h) in the denominator
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -43,6 +61,66 @@ def _scale(softmax_scale, head_dim: int) -> float:
 def _check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
+
+
+def _check_window(window_size) -> tuple[int, int]:
+    """(left, right) as Python ints, each >= -1 (-1: unbounded on that side)."""
+    is_bound = lambda w: isinstance(w, int | np.integer) and not isinstance(w, bool) and w >= -1
+    if not (isinstance(window_size, tuple | list) and len(window_size) == 2 and all(map(is_bound, window_size))):
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded); got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_softcap(softcap) -> float:
+    try:
+        value = float(softcap)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: off); got {softcap!r}")
+    return value
+
+
+def _check_per_head(values, num_q_heads: int, name: str) -> jax.Array | None:
+    """A per-query-head parameter (`sinks`, `alibi_slopes`) as f32[num_q_heads], or None."""
+    if values is None:
+        return None
+    values = jnp.asarray(values, jnp.float32)
+    if values.shape != (num_q_heads,):
+        raise ValueError(f"{name} must be f32[num_q_heads] with {num_q_heads=}; got shape {values.shape}")
+    return values
+
+
+def _check_features(num_q_heads: int, window_size, softcap, alibi_slopes, sinks):
+    """The model-family keywords, validated: ((left, right), the keyword arguments they give `_attend`)."""
+    return _check_window(window_size), dict(softcap=_check_softcap(softcap),
+                                            alibi_slopes=_check_per_head(alibi_slopes, num_q_heads, "alibi_slopes"),
+                                            sinks=_check_per_head(sinks, num_q_heads, "sinks"))
+
+
+def _visible(query_pos: np.ndarray, key_pos: np.ndarray, causal: bool, window_size: tuple[int, int]) -> np.ndarray:
+    """bool[M, N]: which keys each query sees, from positions in one frame (both request-local or both absolute).
+
+    query_pos: int[M]; key_pos: int[N]. Causal: j <= i. Window (left, right): i - left <= j <= i + right, a bound
+    of -1 being absent. Lengths and pages are the caller's to mask.
+    """
+    offset = key_pos[None, :] - query_pos[:, None]  # [M, N]: j - i
+    left, right = window_size
+    visible = np.ones(offset.shape, bool)
+    if causal:
+        visible &= offset <= 0
+    if left >= 0:
+        visible &= offset >= -left
+    if right >= 0:
+        visible &= offset <= right
+    return visible
+
+
+def _first_key(first_query: int, window_size: tuple[int, int]) -> int:
+    """The first key position a query at `first_query` or later can see (paged oracles: the keys are read from
+    there on, so a window's expired pages are never read and their table entries may hold anything)."""
+    left = window_size[0]
+    return 0 if left < 0 else max(0, first_query - left)
 
 
 def _request_rows(cu, num_tokens: int, name: str) -> np.ndarray:
@@ -97,12 +175,17 @@ def _take_slots(cache, blocks, slots):
     return cache[blocks, slots]
 
 
-@jax.jit  # one compile per request shape instead of one per jnp op: keeps the oracle usable in tests
-def _attend(q, k, v, visible, scale) -> tuple[jax.Array, jax.Array]:
-    """Masked softmax attention for one request, all heads at once.
+# One compile per request shape instead of one per jnp op: keeps the oracle usable in tests. `softcap` is static
+# because it picks the program (0: no tanh at all), like `alibi_slopes=None` and `sinks=None` do.
+@functools.partial(jax.jit, static_argnames="softcap")
+def _attend(q, k, v, visible, scale, *, query_pos=None, key_pos=None, alibi_slopes=None, sinks=None,
+            softcap=0.0) -> tuple[jax.Array, jax.Array]:
+    """Masked softmax attention for one request, all heads at once, in the module's order of operations.
 
-    q: [M, Hq, D]; k: [N, Hkv, D]; v: [N, Hkv, Dv]; visible: bool[M, N] (shared by all heads).
-    Returns out: f32[M, Hq, Dv] and lse: f32[M, Hq]; a row with no visible key gives 0 and -inf.
+    q: [M, Hq, D]; k: [N, Hkv, D]; v: [N, Hkv, Dv]; visible: bool[M, N] (shared by all heads);
+    query_pos: int[M], key_pos: int[N] (read only for ALiBi); alibi_slopes, sinks: f32[Hq] or None.
+    Returns out: f32[M, Hq, Dv] and lse: f32[M, Hq] over the keys only (no sink); a row with no visible key gives
+    0 and -inf, sink or not.
     """
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads, head_dim_v = k.shape[1], v.shape[2]
@@ -114,6 +197,11 @@ def _attend(q, k, v, visible, scale) -> tuple[jax.Array, jax.Array]:
 
     # Subscripts: m query row, n key row, k kv head, g query head within its group, d head dim.
     s = jnp.einsum("mkgd,nkd->kgmn", q, k, precision=_HIGHEST) * scale  # [Hkv, G, M, N]
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    if alibi_slopes is not None:
+        offset = (key_pos[None, :] - query_pos[:, None]).astype(jnp.float32)  # [M, N]: j - i, exact in int
+        s = s + alibi_slopes.reshape(num_kv_heads, group, 1, 1) * offset
     # Masked scores are -inf BEFORE the exponential: exp of a masked score far above the row max would be inf, and
     # XLA may turn where(mask, inf, 0) into inf * 0 = NaN (seen at q × 1e20).
     s = jnp.where(visible, s, -jnp.inf)
@@ -122,9 +210,14 @@ def _attend(q, k, v, visible, scale) -> tuple[jax.Array, jax.Array]:
     # Shift by 0 for rows with no visible key so that no -inf - -inf NaN is ever formed.
     shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.exp(s - shift)  # [Hkv, G, M, N]; 0 where masked
-    denom = p.sum(axis=-1)  # [Hkv, G, M]
+    denom = p.sum(axis=-1)  # [Hkv, G, M]; >= 1 when the row sees a key
     out = jnp.einsum("kgmn,nkd->mkgd", p, v, precision=_HIGHEST)  # [M, Hkv, G, Dv]
-    out = out / jnp.where(denom > 0, denom, 1.0).transpose(2, 0, 1)[..., None]
+    total = denom
+    if sinks is not None:
+        # The sink joins the denominator on the keys' shift, not on max(row max, sink): the LSE must stay over the
+        # keys. A sink far above every score overflows to inf and the output goes to 0, its limit.
+        total = denom + jnp.exp(sinks.reshape(num_kv_heads, group, 1) - shift[..., 0])
+    out = out / jnp.where(denom > 0, total, 1.0).transpose(2, 0, 1)[..., None]
     lse = jnp.where(denom > 0, shift[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return out.reshape(num_rows, num_q_heads, head_dim_v), lse.transpose(2, 0, 1).reshape(num_rows, num_q_heads)
 
@@ -134,13 +227,16 @@ def _attend(q, k, v, visible, scale) -> tuple[jax.Array, jax.Array]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen=None, causal=True, softmax_scale=None, return_lse=False,
+def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen=None, causal=True, softmax_scale=None,
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, return_lse=False,
                      interpret=None):
     """Packed variable-length self-attention (prefill over contiguous K/V).
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; cu_seqlens: i32[B + 1].
     Request b owns rows [cu_seqlens[b], cu_seqlens[b + 1]) of q, k and v and never sees another request's rows.
     causal=True: local query i sees local keys j <= i; causal=False: every key of its request.
+    `window_size`, `softcap`, `alibi_slopes` (f32[Hq]), `sinks` (f32[Hq]): see the module docstring; i and j are
+    request-local positions.
     A request longer than `max_seqlen` (when given) is truncated to its first max_seqlen tokens, queries and keys;
     its other rows, like rows no request owns (before cu_seqlens[0], from cu_seqlens[-1] on), give zeros and lse
     -inf. Boundaries are read as `_request_rows` says. Returns out f32[T, Hq, D] (and lse f32[T, Hq] if
@@ -149,6 +245,7 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen=None, causal=True, softm
     del interpret
     num_tokens, num_q_heads, head_dim = q.shape
     _check_gqa(num_q_heads, k.shape[1])
+    window, features = _check_features(num_q_heads, window_size, softcap, alibi_slopes, sinks)
     cu = _request_rows(cu_seqlens, num_tokens, "cu_seqlens")
     scale = _scale(softmax_scale, head_dim)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
@@ -160,22 +257,26 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen=None, causal=True, softm
         if start == end:
             continue
         local = np.arange(end - start)
-        visible = local[:, None] >= local[None, :] if causal else np.ones((local.size, local.size), bool)
-        o, l = _attend(q[start:end], k[start:end], v[start:end], visible, scale)
+        visible = _visible(local, local, causal, window)
+        o, l = _attend(q[start:end], k[start:end], v[start:end], visible, scale, query_pos=local, key_pos=local,
+                       **features)
         out[start:end], lse[start:end] = np.asarray(o), np.asarray(l)
     return _finish(out, lse, return_lse)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, softmax_scale=None, num_splits=None,
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, softmax_scale=None,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, num_splits=None,
                            split_size=None, return_lse=False, interpret=None, context_lens=None):
     """One query per request over its paged KV cache; the query sees every one of its `seq_lens[b]` keys (its own
-    included, as in `paged_attention`).
+    included, as in `paged_attention`), or those inside `window_size`.
 
     q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: i32[B, max_blocks];
     seq_lens: i32[B] (`context_lens=`: its former name, deprecated, warns).
     Key position p of request b lives at cache[block_tables[b, p // block_size], p % block_size]. Only the first
     cdiv(seq_lens[b], block_size) table entries are read. seq_lens[b] == 0 gives zeros and lse -inf. Lengths are
     clamped into [0, max_blocks * block_size]; a key on a page id outside [0, num_blocks) is masked.
+    `window_size`, `softcap`, `alibi_slopes` (f32[Hq]), `sinks` (f32[Hq]): see the module docstring; positions are
+    absolute, the query at seq_lens[b] - 1. With a left window only keys from seq_lens[b] - 1 - left on are read.
     Returns out f32[B, Hq, D] (and lse f32[B, Hq]). `num_splits`, `split_size`, `interpret` are ignored.
     """
     del num_splits, split_size, interpret
@@ -190,6 +291,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, 
         raise TypeError("paged_decode_attention() missing required argument: 'seq_lens'")
     num_seqs, num_q_heads, head_dim = q.shape
     _check_gqa(num_q_heads, k_cache.shape[2])
+    window, features = _check_features(num_q_heads, window_size, softcap, alibi_slopes, sinks)
     tables = np.asarray(block_tables)
     lens = _capped_lens(seq_lens, tables.shape[1], k_cache.shape[1])
     scale = _scale(softmax_scale, head_dim)
@@ -199,16 +301,19 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, 
     for b in range(num_seqs):
         if lens[b] == 0:
             continue
-        positions = np.arange(lens[b])
-        k, ok = _gather_positions(k_cache, tables[b], positions)  # [seq_len, Hkv, D]
-        v, _ = _gather_positions(v_cache, tables[b], positions)
-        o, l = _attend(q[b:b + 1], k, v, ok[None, :], scale)
+        query_pos = np.array([lens[b] - 1])
+        key_pos = np.arange(_first_key(query_pos[0], window), lens[b])
+        k, ok = _gather_positions(k_cache, tables[b], key_pos)  # [seq_len, Hkv, D] (from the window's start)
+        v, _ = _gather_positions(v_cache, tables[b], key_pos)
+        visible = _visible(query_pos, key_pos, True, window) & ok[None, :]  # [1, seq_len]
+        o, l = _attend(q[b:b + 1], k, v, visible, scale, query_pos=query_pos, key_pos=key_pos, **features)
         out[b], lse[b] = np.asarray(o[0]), np.asarray(l[0])
     return _finish(out, lse, return_lse)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len=None,
-                    softmax_scale=None, num_splits=None, split_size=None, return_lse=False, interpret=None):
+                    softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                    num_splits=None, split_size=None, return_lse=False, interpret=None):
     """Ragged queries over a paged KV cache: decode, verification, chunked and fresh prefill in one batch.
 
     q: [T, Hq, D] packed; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: i32[B, max_blocks];
@@ -231,12 +336,16 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     Whatever the inputs hold: boundaries are read as `_request_rows` says (rows no request owns give zeros and lse
     -inf), seq_lens are clamped into [0, max_blocks * block_size] (a q_len past seq_len puts the first queries at
     negative positions, which see no key), and keys on a page id outside [0, num_blocks) are masked.
+    `window_size`, `softcap`, `alibi_slopes` (f32[Hq]), `sinks` (f32[Hq]): see the module docstring; positions are
+    the absolute ones above. With a left window only keys from context_len - left on are read: pages wholly before
+    every query's window may have been freed.
     Returns out f32[T, Hq, D] (and lse f32[T, Hq]). `max_query_len`, `num_splits`, `split_size`, `interpret`
     are ignored.
     """
     del max_query_len, num_splits, split_size, interpret
     num_tokens, num_q_heads, head_dim = q.shape
     _check_gqa(num_q_heads, k_cache.shape[2])
+    window, features = _check_features(num_q_heads, window_size, softcap, alibi_slopes, sinks)
     cu = _request_rows(cu_query_lens, num_tokens, "cu_query_lens")
     tables = np.asarray(block_tables)
     lens = _capped_lens(seq_lens, tables.shape[1], k_cache.shape[1])
@@ -251,18 +360,18 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         if q_len == 0:
             continue
         context_len = seq_len - q_len
-        key_pos = np.arange(seq_len)
         query_pos = context_len + np.arange(q_len)
-        k, ok = _gather_positions(k_cache, tables[b], key_pos)  # [seq_len, Hkv, D]
+        key_pos = np.arange(_first_key(context_len, window), seq_len)
+        k, ok = _gather_positions(k_cache, tables[b], key_pos)  # [seq_len, Hkv, D] (from the window's start)
         v, _ = _gather_positions(v_cache, tables[b], key_pos)
-        visible = (key_pos[None, :] <= query_pos[:, None]) & ok[None, :]  # [q_len, seq_len]
-        o, l = _attend(q[start:end], k, v, visible, scale)
+        visible = _visible(query_pos, key_pos, True, window) & ok[None, :]  # [q_len, seq_len]
+        o, l = _attend(q[start:end], k, v, visible, scale, query_pos=query_pos, key_pos=key_pos, **features)
         out[start:end], lse[start:end] = np.asarray(o), np.asarray(l)
     return _finish(out, lse, return_lse)
 
 
 def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, seq_lens=None,
-                         kv_lora_rank=512, softmax_scale=None, return_lse=False, interpret=None):
+                         kv_lora_rank=512, softmax_scale=None, sinks=None, return_lse=False, interpret=None):
     """Top-k sparse attention over an MLA latent cache (one KV head shared by all query heads).
 
     q: [T, H, Dqk] (Dqk = 576 = 512 latent + 64 rope); kv_cache: [num_blocks, block_size, Dqk];
@@ -275,7 +384,8 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     A row whose indices are all -1 gives zeros and lse -inf; so do tokens no request owns (`_request_rows`).
     An index past the request's keys is ignored like -1: past seq_lens[b] when seq_lens (i32[B]) is given, past
     the table's capacity max_blocks * block_size always; so is one on a page id outside [0, num_blocks).
-    `softmax_scale=None` means 1 / sqrt(Dqk). Returns out f32[T, H, kv_lora_rank] (and lse f32[T, H]).
+    `softmax_scale=None` means 1 / sqrt(Dqk). `sinks` (f32[H]): see the module docstring.
+    Returns out f32[T, H, kv_lora_rank] (and lse f32[T, H], over the keys only).
     """
     del interpret
     num_tokens, num_heads, head_dim = q.shape
@@ -291,6 +401,7 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     capacity = tables.shape[1] * kv_cache.shape[1]
     limits = (np.full(tables.shape[0], capacity) if seq_lens is None
               else _capped_lens(seq_lens, tables.shape[1], kv_cache.shape[1]))
+    sinks = _check_per_head(sinks, num_heads, "sinks")
     scale = _scale(softmax_scale, head_dim)
     q, kv_cache = jnp.asarray(q), jnp.asarray(kv_cache)
 
@@ -302,22 +413,33 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
                 continue
             rows, ok = _gather_positions(kv_cache, tables[b], positions)
             rows = rows[:, None, :]  # [n, 1, Dqk]: one kv head
-            o, l = _attend(q[t:t + 1], rows, rows[..., :kv_lora_rank], ok[None, :], scale)
+            o, l = _attend(q[t:t + 1], rows, rows[..., :kv_lora_rank], ok[None, :], scale, sinks=sinks)
             out[t], lse[t] = np.asarray(o[0]), np.asarray(l[0])
     return _finish(out, lse, return_lse)
 
 
 @jax.jit
-def merge_attention_states(outs, lses):
+def merge_attention_states(outs, lses, sinks=None):
     """Merges attention states computed over disjoint key subsets (the split-KV reduction).
 
     outs: [S, ..., D]; lses: f32[S, ...] (natural-log LSE of each split). Returns (out f32[..., D], lse f32[...]):
         m = max_s lse_s;  w_s = exp(lse_s - m);  out = sum_s w_s out_s / sum_s w_s;  lse = m + log(sum_s w_s).
     A split with lse_s = -inf saw no key and contributes nothing, even if its out_s is garbage or NaN. When every
     split is empty the result is out 0, lse -inf, and never NaN. Pure jnp and jitted (unlike the other oracles).
+
+    sinks: f32[H] or None, H the last axis of lses (the head axis). The states are sink-free (as every oracle
+    returns them: their LSE is over keys only) and the sink is applied here, once:
+        out = sum_s w_s out_s / (sum_s w_s + exp(sink_h - m));  lse unchanged, over the keys only.
+    So the merge of sink-free splits equals the unsplit call with `sinks=`. Rows where every split is empty stay
+    out 0, lse -inf.
     """
     outs = jnp.asarray(outs, jnp.float32)
     lses = jnp.asarray(lses, jnp.float32)
+    if sinks is not None:
+        sinks = jnp.asarray(sinks, jnp.float32)
+        if lses.ndim < 2 or sinks.shape != lses.shape[-1:]:
+            raise ValueError(f"sinks must be f32[H] with H = lses.shape[-1], the head axis of lses [S, ..., H]; "
+                             f"got sinks {sinks.shape} for lses {lses.shape}")
     empty = jnp.isneginf(lses)  # [S, ...]
     m = jnp.max(lses, axis=0)
     # Shift by 0 when every split is empty so that no -inf - -inf NaN is formed.
@@ -327,6 +449,8 @@ def merge_attention_states(outs, lses):
     weighted = jnp.where(empty[..., None], 0.0, w[..., None] * outs)
     total = w.sum(axis=0)
     has_keys = total > 0
-    out = weighted.sum(axis=0) / jnp.where(has_keys, total, 1.0)[..., None]
+    # As in `_attend`: the sink joins the denominator on the keys' shift, so the LSE below stays over the keys.
+    denom = total if sinks is None else total + jnp.exp(sinks - shift)
+    out = weighted.sum(axis=0) / jnp.where(has_keys, denom, 1.0)[..., None]
     lse = jnp.where(has_keys, shift + jnp.log(jnp.where(has_keys, total, 1.0)), -jnp.inf)
     return out, lse
