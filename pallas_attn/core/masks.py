@@ -19,8 +19,12 @@ The kernels loop ``[kv_start, full_end)`` with no mask code at all and ``[full_e
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_attn.core import softmax
 
 FULL, DIAGONAL, FUTURE = "■", "△", "·"
 
@@ -60,6 +64,72 @@ def kv_tile_ranges(q_first, q_last, kv_len, block_n: int, *, causal: bool = True
 def causal_mask(q_pos, k_pos, kv_len):
     """``[M, N]`` bool: key visible to query (``k_pos <= q_pos`` and inside the request). Built in registers."""
     return (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMods:
+    """The static model-family features of one call (docs/design.md#model-family-features): a window
+    ``(left, right)`` (-1: unbounded), a soft-cap (0: off), and whether ALiBi slopes and attention sinks (arrays,
+    one per query head) are given. Hashable: one compiled kernel per distinct layer kind."""
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    def scores(self, raw, scale: float, q_pos, k_pos, slope2=None):
+        """``[M, N]`` base-2 scores from the raw ``q·k``: soft-cap on the scaled score, then ALiBi
+        (``slope2 [M]``: the rows' slopes times log2 e) on absolute positions. No mask here."""
+        if self.softcap > 0:
+            s2 = jnp.tanh(raw * (scale / self.softcap)) * (self.softcap * softmax.LOG2E)
+        else:
+            s2 = raw * (scale * softmax.LOG2E)
+        if self.alibi:
+            s2 = s2 + slope2[:, None] * (k_pos[None, :] - q_pos[:, None]).astype(jnp.float32)
+        return s2
+
+    def window_mask(self, q_pos, k_pos):
+        """``[M, N]`` bool, or None without a window: ``q - left <= k <= q + right``."""
+        mask = None
+        if self.window_left >= 0:
+            mask = k_pos[None, :] >= q_pos[:, None] - self.window_left
+        if self.window_right >= 0:
+            right = k_pos[None, :] <= q_pos[:, None] + self.window_right
+            mask = right if mask is None else mask & right
+        return mask
+
+
+NO_MODS = ScoreMods()  # plain attention: every feature off
+
+
+def window_tile_ranges(q_first, q_last, kv_len, block_n: int, window: tuple[int, int], *, causal: bool = True,
+                       tile_start=0, tile_end=None):
+    """:func:`kv_tile_ranges` under a window ``(left, right)``: ``(start, full_start, full_end, kv_end)``.
+
+    Tiles ``[start, full_start)`` hold keys some rows see and others have left behind (masked), ``[full_start,
+    full_end)`` keys every row sees (no mask), ``[full_end, kv_end)`` the diagonal, the window's right edge or the
+    ragged end (masked). Tiles before ``start`` and from ``kv_end`` on are never loaded: the cost follows the
+    window, not the context."""
+    left, right = window
+    visible = jnp.minimum(q_last + 1, kv_len) if causal else kv_len  # keys any row may see: below this
+    unmasked = jnp.minimum(q_first + 1, kv_len) if causal else kv_len  # keys every row sees: below this...
+    if right >= 0:
+        visible = jnp.minimum(visible, q_last + right + 1)
+        unmasked = jnp.minimum(unmasked, q_first + right + 1)
+    first_key = jnp.maximum(q_first - left, 0) if left >= 0 else 0  # ...and from here
+    every_key = jnp.maximum(q_last - left, 0) if left >= 0 else 0
+    kv_end = _cdiv(visible, block_n)
+    if tile_end is not None:
+        kv_end = jnp.minimum(kv_end, tile_end)
+    start = jnp.maximum(first_key // block_n, tile_start)
+    kv_end = jnp.maximum(kv_end, start)
+    full_start = jnp.clip(_cdiv(every_key, block_n), start, kv_end)
+    full_end = jnp.clip(unmasked // block_n, full_start, kv_end)
+    return start, full_start, full_end, kv_end
 
 
 def length_mask(q_pos, k_pos, kv_len):

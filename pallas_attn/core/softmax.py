@@ -111,10 +111,16 @@ def log_sum_exp(m, l):
     return jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
 
 
-def finalize(state):
-    """``(out [M, D] f32, lse [M] f32 natural log)``; rows with no key give 0 and ``-inf``."""
+def finalize(state, sink2=None):
+    """``(out [M, D] f32, lse [M] f32 natural log)``; rows with no key give 0 and ``-inf``.
+
+    ``sink2 [M]`` (attention sinks in base 2): each row's denominator gets ``2**sink2`` with no value; the LSE
+    stays over the keys only, so split states still merge (the merge applies the sink once)."""
     acc, m, l = state
-    return normalize(acc, l), log_sum_exp(m, l)
+    if sink2 is None:
+        return normalize(acc, l), log_sum_exp(m, l)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    return normalize(acc, l + jnp.exp2(sink2 - m_safe)), log_sum_exp(m, l)
 
 
 def merge_split_outputs(out, lse, num_splits: int, shape: tuple, dtype):
@@ -157,8 +163,12 @@ def fold_split_states(num_splits: int, lse_at, out_at, lse_shape: tuple, out_sha
     return out, lse
 
 
-def kv_loop(state, tile_start, full_end, kv_end, step):
+def kv_loop(state, tile_start, full_end, kv_end, step, full_start=None):
     """Run ``step(j, state, masked)`` over key tiles: ``[tile_start, full_end)`` unmasked, ``[full_end, kv_end)``
-    masked. Two loops, so the full tiles (■) carry no mask code at all and each loop is pipelined on its own."""
+    masked. Two loops, so the full tiles (■) carry no mask code at all and each loop is pipelined on its own. With
+    ``full_start`` (a sliding window), ``[tile_start, full_start)`` runs masked first (a third loop)."""
+    if full_start is not None:
+        state = jax.lax.fori_loop(tile_start, full_start, lambda j, s: step(j, s, True), state)
+        tile_start = full_start
     state = jax.lax.fori_loop(tile_start, full_end, lambda j, s: step(j, s, False), state)
     return jax.lax.fori_loop(full_end, kv_end, lambda j, s: step(j, s, True), state)

@@ -170,3 +170,30 @@ def check_paged_kv(q, k_cache, v_cache, block_tables, q_layout: str) -> None:
     check_block_size(k_cache.shape[1])
     check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
     check_int32("block_tables", block_tables)
+
+
+def check_window_size(name: str, value) -> tuple[int, int]:
+    """A window ``(left, right)`` of Python ints >= -1 (a list or numpy ints are accepted) → a tuple."""
+    ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(
+        isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= -1 for x in value)
+    if not ok:
+        raise TypeError(f"{name} must be a pair (left, right) of Python ints >= -1 (-1: unbounded); got "
+                        f"{_describe(value)}")
+    return int(value[0]), int(value[1])
+
+
+def check_softcap(name: str, value) -> float:
+    """A soft-cap: a finite Python float >= 0 (0: off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a static Python float >= 0 (0: off); got {_describe(value)}")
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0 (0: off); got {name}={value}")
+    return value
+
+
+def check_head_vector(name: str, x, num_q_heads: int) -> None:
+    """``f32[num_q_heads]`` per-head parameters (ALiBi slopes, sinks)."""
+    check_rank(name, x, 1, "f32[num_q_heads]")
+    check_shape(name, x, (num_q_heads,), "f32[num_q_heads]")
+    check_float(name, x)

@@ -10,7 +10,7 @@ import functools
 
 import jax
 
-from pallas_attn.core import backend as backend_lib, config as config_lib, validation
+from pallas_attn.core import backend as backend_lib, config as config_lib, masks, validation
 from pallas_attn.kernels.mosaic import prefill as mosaic_prefill
 from pallas_attn.kernels.triton import prefill as triton_prefill
 from pallas_attn.ops import common
@@ -42,10 +42,17 @@ MOSAIC_MIN_SEQLEN = {128: 512, 64: 2048}
 MOSAIC_MIN_TOKENS = 2048
 
 
-def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
+def mosaic_unsupported(q, k, mods: masks.ScoreMods) -> str | None:
+    """Why the Mosaic prefill cannot run this call, or None."""
+    if mods != masks.NO_MODS:
+        return "window_size, softcap, alibi_slopes or sinks (the Triton kernel has them)"
+    return mosaic_prefill.supported(q, k)
+
+
+def default_backend(q, k, max_seqlen: int, interpret: bool, mods: masks.ScoreMods = masks.NO_MODS) -> str:
     """``varlen_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU where it applies and was measured
     faster, else "triton"."""
-    if interpret or not backend_lib.is_hopper() or mosaic_prefill.supported(q, k) is not None:
+    if interpret or not backend_lib.is_hopper() or mosaic_unsupported(q, k, mods) is not None:
         return "triton"
     long_enough = max_seqlen >= MOSAIC_MIN_SEQLEN.get(q.shape[-1], max_seqlen + 1)
     return "mosaic" if long_enough and q.shape[0] >= MOSAIC_MIN_TOKENS else "triton"
@@ -54,13 +61,15 @@ def default_backend(q, k, max_seqlen: int, interpret: bool) -> str:
 _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
-@common.front(arrays=("q", "k", "v"), int_arrays=("cu_seqlens",),
+@common.front(arrays=("q", "k", "v", "alibi_slopes", "sinks"), int_arrays=("cu_seqlens",),
               statics=dict(max_seqlen=validation.check_static_int, causal=validation.check_static_bool,
-                           softmax_scale=validation.check_softmax_scale, return_lse=validation.check_static_bool,
+                           softmax_scale=validation.check_softmax_scale, window_size=validation.check_window_size,
+                           softcap=validation.check_softcap, return_lse=validation.check_static_bool,
                            interpret=_OPTIONAL_BOOL))
-@functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "return_lse", "interpret",
-                                             "config", "backend"))
+@functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "window_size", "softcap",
+                                             "return_lse", "interpret", "config", "backend"))
 def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = True, softmax_scale: float | None = None,
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
                      return_lse: bool = False, interpret: bool | None = None,
                      config: config_lib.PrefillConfig | config_lib.MosaicPrefillConfig | None = None,
                      backend: str | None = None):
@@ -78,6 +87,12 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       causal: request-local causal mask (query ``i`` sees keys ``j <= i``); False: each request attends to all of
         its own tokens.
       softmax_scale: None (``1/sqrt(head_dim)``) or a finite Python float > 0.
+      window_size: ``(left, right)`` (static; -1 unbounded): query ``i`` sees keys ``i - left <= j <= i + right``,
+        request-local, with causality where causal. Key tiles wholly outside every row's window are never loaded.
+      softcap: static float, 0 = off: scaled scores become ``softcap * tanh(score / softcap)``.
+      alibi_slopes: ``f32[num_q_heads]`` or None: adds ``slope_h * (key_pos - query_pos)`` after the soft-cap.
+      sinks: ``f32[num_q_heads]`` or None: ``exp(sink_h)`` joins each row's softmax denominator, with no value; the
+        LSE stays over the keys only. The order of these is docs/design.md#model-family-features.
       return_lse: also return the natural-log LSE ``f32[num_tokens, num_q_heads]`` (``-inf`` for padding rows).
       interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.core.backend`).
       config: the kernel's tuning knobs, never its semantics: :class:`pallas_attn.core.config.PrefillConfig`
@@ -100,11 +115,15 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       >>> out = varlen_attention(q, k, v, cu, max_seqlen=8)
     """
     _validate(q, k, v, cu_seqlens)
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            validation.check_head_vector(name, x, q.shape[1])
+    mods = masks.ScoreMods(*window_size, softcap, alibi_slopes is not None, sinks is not None)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
-        backend, config=config, default=lambda: default_backend(q, k, max_seqlen, interpret),
-        mosaic_unsupported=lambda: mosaic_prefill.supported(q, k), config_types=CONFIG_TYPES)
+        backend, config=config, default=lambda: default_backend(q, k, max_seqlen, interpret, mods),
+        mosaic_unsupported=lambda: mosaic_unsupported(q, k, mods), config_types=CONFIG_TYPES)
     if q.shape[0] == 0 or cu_seqlens.shape[0] == 1:  # no tokens or no request: every row is padding, no kernel
         return common.no_rows(*q.shape, q.dtype, return_lse)
     if backend == "mosaic":
@@ -115,5 +134,5 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         return (out, lse) if return_lse else out
     cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
     run = functools.partial(triton_prefill.varlen_attention_triton, max_seqlen=max_seqlen, causal=causal,
-                            scale=float(scale), return_lse=return_lse, interpret=interpret, cfg=cfg)
-    return common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens)
+                            scale=float(scale), return_lse=return_lse, interpret=interpret, cfg=cfg, mods=mods)
+    return common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens, alibi_slopes, sinks)

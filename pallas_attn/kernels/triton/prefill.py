@@ -47,12 +47,15 @@ def _prefill_kernel(
     q_ref,  # [T * Hq, Dp]  (flattened; row = token * Hq + q_head)
     k_ref,  # [T * Hkv, Dp]
     v_ref,  # [T * Hkv, Dp]
-    # outputs
-    o_ref,  # [T * Hq, Dp]
-    *lse_refs,  # f32[T * Hq] when return_lse
+    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says); outputs: o [T * Hq, Dp], [lse f32[T * Hq]]
     num_seqs: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, heads_per_program: int,
-    max_seqlen: int, block_q: int, block_n: int, causal: bool, scale2: float, precision, exp2,
+    max_seqlen: int, block_q: int, block_n: int, causal: bool, scale: float, mods: masks.ScoreMods, precision,
+    exp2,
 ):
+    refs = list(refs)
+    slopes_ref = refs.pop(0) if mods.alibi else None
+    sinks_ref = refs.pop(0) if mods.sinks else None
+    o_ref, *lse_refs = refs
     hp = heads_per_program
     group = num_q_heads // num_kv_heads
     num_q_tiles = pl.num_programs(0)
@@ -97,7 +100,13 @@ def _prefill_kernel(
             q_rows = (seq_start + local_tok) * num_q_heads + q_head
             q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [M, Dp]
             q_last = jnp.minimum((m + 1) * block_q, seq_len) - 1
-            full_end, kv_end = masks.kv_tile_ranges(m * block_q, q_last, seq_len, block_n, causal=causal)
+            if mods.windowed:
+                start, full_start, full_end, kv_end = masks.window_tile_ranges(
+                    m * block_q, q_last, seq_len, block_n, (mods.window_left, mods.window_right), causal=causal)
+            else:
+                start, full_start = 0, None
+                full_end, kv_end = masks.kv_tile_ranges(m * block_q, q_last, seq_len, block_n, causal=causal)
+            slope2 = tiles.load_vector(slopes_ref, q_head) * softmax.LOG2E if mods.alibi else None  # [M]
 
             def step(j, state, masked):
                 k_pos = j * block_n + jnp.arange(block_n)  # [N]
@@ -105,15 +114,18 @@ def _prefill_kernel(
                 k_valid = (k_pos < seq_len) if masked else None
                 k = tiles.load_rows(k_ref, kv_rows, cols, k_valid)  # [N, Dp]
                 v = tiles.load_rows(v_ref, kv_rows, cols, k_valid)  # [N, Dp]
-                s2 = dot(q, k.T) * scale2  # [M, N] base-2 scores
+                s2 = mods.scores(dot(q, k.T), scale, local_tok, k_pos, slope2)  # [M, N] base-2 scores
                 if masked:
                     visible = (masks.causal_mask(local_tok, k_pos, seq_len) if causal
                                else masks.length_mask(local_tok, k_pos, seq_len))
-                    s2 = jnp.where(visible, s2, -jnp.inf)
+                    window = mods.window_mask(local_tok, k_pos)
+                    s2 = jnp.where(visible if window is None else visible & window, s2, -jnp.inf)
                 return softmax.online_softmax_step(state, s2, v, dot, exp2)
 
-            state = softmax.kv_loop(softmax.init_state(block_q * hp, q_ref.shape[-1]), 0, full_end, kv_end, step)
-            out, lse = softmax.finalize(state)
+            state = softmax.kv_loop(softmax.init_state(block_q * hp, q_ref.shape[-1]), start, full_end, kv_end, step,
+                                    full_start)
+            sink2 = tiles.load_vector(sinks_ref, q_head) * softmax.LOG2E if mods.sinks else None
+            out, lse = softmax.finalize(state, sink2)
             tiles.store_rows(o_ref, q_rows, cols, out, row_valid)
             if lse_refs:
                 tiles.store_vector(lse_refs[0], q_rows, lse, row_valid)
@@ -127,8 +139,10 @@ def _prefill_kernel(
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def varlen_attention_triton(q, k, v, cu_seqlens, *, max_seqlen, causal, scale, return_lse, interpret,
-                  cfg: config_lib.PrefillConfig):
+def varlen_attention_triton(q, k, v, cu_seqlens, alibi_slopes=None, sinks=None, *, max_seqlen, causal, scale,
+                            return_lse, interpret, cfg: config_lib.PrefillConfig,
+                            mods: masks.ScoreMods = masks.NO_MODS):
+    """``out [T, Hq, D]`` (and ``lse``); ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
@@ -143,8 +157,9 @@ def varlen_attention_triton(q, k, v, cu_seqlens, *, max_seqlen, causal, scale, r
     kernel = functools.partial(
         _prefill_kernel, num_seqs=num_seqs, num_tokens=num_tokens, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, heads_per_program=hp, max_seqlen=max_seqlen, block_q=block_q,
-        block_n=cfg.block_n, causal=causal, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype),
+        block_n=cfg.block_n, causal=causal, scale=scale, mods=mods, precision=tiles.dot_precision(q.dtype),
         exp2=softmax.approx_exp2 if (cfg.approx_exp2 and not interpret) else jnp.exp2)
+    features = [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None]
     out_shape = [jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype)]
     out_specs = [full(num_tokens * num_q_heads)]
     if return_lse:
@@ -154,13 +169,14 @@ def varlen_attention_triton(q, k, v, cu_seqlens, *, max_seqlen, causal, scale, r
         kernel,
         grid=grid,
         in_specs=[pl.BlockSpec((num_seqs + 1,), lambda *_: (0,)),
-                  full(num_tokens * num_q_heads), full(num_tokens * num_kv_heads), full(num_tokens * num_kv_heads)],
+                  full(num_tokens * num_q_heads), full(num_tokens * num_kv_heads), full(num_tokens * num_kv_heads)]
+        + [pl.BlockSpec((num_q_heads,), lambda *_: (0,))] * len(features),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"varlen_prefill_{'causal' if causal else 'full'}_d{head_dim}",
-    )(cu_seqlens, q.reshape(-1, head_dim), k.reshape(-1, head_dim), v.reshape(-1, head_dim))
+    )(cu_seqlens, q.reshape(-1, head_dim), k.reshape(-1, head_dim), v.reshape(-1, head_dim), *features)
     out = outs[0].reshape(num_tokens, num_q_heads, head_dim)
     if return_lse:
         return out, outs[1].reshape(num_tokens, num_q_heads)

@@ -1,0 +1,104 @@
+"""Model-family features in the kernels (window, soft-cap, ALiBi, sinks) against the reference
+(docs/design.md#model-family-features). Keys outside every window hold NaN: a tile that is loaded when it should
+not be, or a mask that leaks, turns the output NaN."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_attn import PrefillConfig, reference, varlen_attention
+from pallas_attn.testing import assert_attention_close, random_packed
+
+CFG = PrefillConfig(block_m=16, block_n=16)
+LENS = [40, 1, 17, 16, 33]  # a request of one token, one of exactly a tile, tile ± 1, several tiles
+
+
+def _inputs(rng, lens=LENS, hq=4, hkv=2, d=32, pad=5, dtype=jnp.float32):
+    total = sum(lens) + pad
+    q, cu = random_packed(rng, lens, hq, d, dtype, pad_to=total)
+    k, _ = random_packed(rng, lens, hkv, d, dtype, pad_to=total)
+    v, _ = random_packed(rng, lens, hkv, d, dtype, pad_to=total)
+    return q, k, v, cu
+
+
+def _heads(rng, low, high, n=4):
+    return jnp.asarray(rng.uniform(low, high, n), jnp.float32)
+
+
+def _check(q, k, v, cu, dtype=jnp.float32, **kw):
+    out, lse = varlen_attention(q, k, v, cu, max_seqlen=64, config=CFG, return_lse=True, **kw)
+    ref, ref_lse = reference.varlen_attention(q, k, v, cu, return_lse=True, **kw)
+    n = int(cu[-1])
+    assert_attention_close(out, ref, dtype=dtype, valid_rows=n)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(ref_lse)))
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out)[n:] == 0)
+    return out
+
+
+@pytest.mark.parametrize("window", [(0, -1), (1, -1), (15, -1), (16, -1), (17, -1), (100, -1)])
+def test_causal_window(rng, window):
+    _check(*_inputs(rng), window_size=window)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (3, 7), (-1, 5), (20, -1)])
+def test_bidirectional_window(rng, window):
+    _check(*_inputs(rng), causal=False, window_size=window)
+
+
+def test_keys_outside_the_window_are_never_read(rng):
+    """NaN in every key and value a window leaves behind: the output stays finite and right."""
+    lens = [70]
+    q, k, v, cu = _inputs(rng, lens, pad=0)
+    left = 5
+    out = varlen_attention(q, k, v, cu, max_seqlen=70, config=CFG, window_size=(left, -1))
+    # Query rows 48..69 (the last tiles) see keys from 43 on; poison keys 0..31 (tiles wholly outside their windows)
+    k2, v2 = k.at[:32].set(jnp.nan), v.at[:32].set(jnp.nan)
+    out2 = varlen_attention(q, k2, v2, cu, max_seqlen=70, config=CFG, window_size=(left, -1))
+    np.testing.assert_array_equal(np.asarray(out2)[48:], np.asarray(out)[48:])
+
+
+@pytest.mark.parametrize("softcap", [1.0, 30.0])
+def test_softcap(rng, softcap):
+    _check(*_inputs(rng), softcap=softcap)
+
+
+def test_softcap_huge_logits(rng):
+    q, k, v, cu = _inputs(rng)
+    out = _check(q * 1e3, k, v, cu, softcap=5.0)
+    assert not np.isnan(np.asarray(out)).any()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_alibi_gqa(rng, causal):
+    q, k, v, cu = _inputs(rng, hq=8, hkv=2)
+    _check(q, k, v, cu, causal=causal, alibi_slopes=_heads(rng, 0.01, 0.5, 8))
+
+
+@pytest.mark.parametrize("low, high", [(-1e4, -1e4 + 1), (-2, 2), (50, 60)])
+def test_sinks(rng, low, high):
+    _check(*_inputs(rng), sinks=_heads(rng, low, high))
+
+
+def test_everything_at_once_bf16(rng):
+    q, k, v, cu = _inputs(rng, hq=8, hkv=2, d=64, dtype=jnp.bfloat16)
+    _check(q, k, v, cu, dtype=jnp.bfloat16, window_size=(9, -1), softcap=20.0,
+           alibi_slopes=_heads(rng, 0.01, 0.2, 8), sinks=_heads(rng, -1, 1, 8))
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(window_size=(-2, 0)), TypeError, "window_size"),
+    (dict(window_size=5), TypeError, "window_size"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(sinks=jnp.zeros(3)), ValueError, "sinks"),
+    (dict(alibi_slopes=jnp.zeros((4, 1))), ValueError, "alibi_slopes"),
+    (dict(window_size=(4, -1), backend="mosaic"), ValueError, "window_size"),
+])
+def test_bad_feature_arguments_raise(rng, kw, error, match):
+    q, k, v, cu = _inputs(rng)
+    with pytest.raises(error, match=match):
+        varlen_attention(q, k, v, cu, max_seqlen=64, **kw)
