@@ -77,10 +77,11 @@ def test_decode_corrupt_request_stays_alone(rng, name, corrupt, num_splits):
 
 
 @pytest.mark.parametrize("bad_page", [0, 5, 9, None])
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_bad_page_in_any_tile_reruns_the_program_guarded(rng, bad_page, num_splits):
-    """Full tiles run unguarded and only note a page outside the pool; the program then runs every tile again
-    through the guarded step. A bad page in the first, a middle or the masked last tile, or none, with splits."""
+def test_page_check_walks_every_chunk(rng, monkeypatch, bad_page):
+    """The pre-loop page check reads the table in chunks: a bad page in any chunk sends the tiles to the guarded
+    step (4 entries a chunk here, so a 10-page request takes three)."""
+    from pallas_attn.core import tiles
+    monkeypatch.setattr(tiles, "PAGE_CHECK_CHUNK", 4)
     lens = [37, 40, 5]
     kc, vc, bt = make_paged_kv(rng, lens, BLOCK, 1, 16, F32, max_blocks=11, table_padding="neg")
     if bad_page is not None:
@@ -88,11 +89,11 @@ def test_bad_page_in_any_tile_reruns_the_program_guarded(rng, bad_page, num_spli
     q = jnp.asarray(rng.standard_normal((3, 2, 16)), F32)
     sl = jnp.asarray(lens, jnp.int32)
     cfg = DecodeConfig(block_n=16)  # tiles 0 and 1 are full, tile 2 masked
-    out = paged_decode_attention(q, kc, vc, bt, sl, num_splits=num_splits, config=cfg)
+    out = paged_decode_attention(q, kc, vc, bt, sl, num_splits=1, config=cfg)
     _no_nan(out)
     _like_reference(out, reference.paged_decode_attention(q, kc, vc, bt, sl))
     cu = jnp.arange(4, dtype=jnp.int32)
-    out = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=1, num_splits=num_splits, config=cfg)
+    out = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=1, config=cfg)
     _no_nan(out)
     _like_reference(out, reference.paged_attention(q, kc, vc, bt, sl, cu))
 

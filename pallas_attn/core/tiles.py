@@ -78,24 +78,54 @@ def request_span(cu_ref, b, num_seqs: int, num_tokens: int):
 
 
 def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: int, kv_head, num_pages: int,
-               valid=None):
-    """``(rows [N], page_ok bool[N])``: row indices of key positions ``pos`` in the flattened
+               valid=None, guard: bool = True):
+    """``(rows [N], page_ok bool[N] | None)``: row indices of key positions ``pos`` in the flattened
     ``[num_blocks*block_size*Hkv, D]`` cache, and whether their page id is in the pool.
 
     ``block_table_ref`` is the flattened ``[num_seqs * max_blocks]`` table and ``table_base`` the request's first
     entry. Entries are read as scalars-per-row from the table (logical_block = pos // block_size,
     physical_block = block_table[logical_block], slot = physical_block * block_size + pos % block_size). Where
-    ``valid`` is False the table is not read. A page id outside ``[0, num_pages)`` is never dereferenced: its rows
-    point into page 0 and ``page_ok`` is False (docs/design.md#isolation-whatever-the-inputs).
+    ``valid`` is False the table is not read. With ``guard``, a page id outside ``[0, num_pages)`` is never
+    dereferenced: its rows point at row 0 and ``page_ok`` is False, so callers mask their loads and scores
+    (docs/design.md#isolation-whatever-the-inputs). Without it (tiles :func:`pages_in_pool` vouched for),
+    ``page_ok`` is None.
     """
     logical = table_base + pos // block_size
     if valid is None:
         page = plgpu.load(block_table_ref.at[logical])
     else:
         page = plgpu.load(block_table_ref.at[logical], mask=valid, other=0)
-    page_ok = (page >= 0) & (page < num_pages)
-    slot = jnp.where(page_ok, page, 0) * block_size + pos % block_size
-    return slot * num_kv_heads + kv_head, page_ok
+    page_ok = None
+    if guard:
+        page_ok = (page >= 0) & (page < num_pages)
+        page = jnp.where(page_ok, page, 0)
+    return (page * block_size + pos % block_size) * num_kv_heads + kv_head, page_ok
+
+
+PAGE_CHECK_CHUNK = 256  # table entries checked per vector load by pages_in_pool
+
+
+def pages_in_pool(block_table_ref, table_base, pos_start, pos_end, block_size: int, num_pages: int,
+                  max_blocks: int):
+    """Scalar bool: every page holding key positions ``[pos_start, pos_end)`` has an id in ``[0, num_pages)``.
+
+    One pass over the program's own table entries, ``PAGE_CHECK_CHUNK`` at a time, before its KV loop: when it
+    holds (every well-formed batch), the full tiles skip the per-key page guard, whose masked loads and ``[M, N]``
+    select cost 13% on a compute-bound mixed batch (docs/performance.md#the-cost-of-the-isolation-guards).
+    ``pos_end`` must not pass the table's capacity."""
+    first = pos_start // block_size
+    last = (pos_end + block_size - 1) // block_size  # exclusive
+    chunk = min(1 << max(max_blocks - 1, 0).bit_length(), PAGE_CHECK_CHUNK)
+    idx = jnp.arange(chunk)
+
+    def count_bad(c, bad):
+        logical = first + c * chunk + idx
+        used = logical < last
+        page = plgpu.load(block_table_ref.at[table_base + logical], mask=used, other=0)
+        return bad + jnp.sum((used & ((page < 0) | (page >= num_pages))).astype(jnp.int32))
+
+    num_chunks = (jnp.maximum(last - first, 0) + chunk - 1) // chunk
+    return jax.lax.fori_loop(0, num_chunks, count_bad, jnp.int32(0)) == 0
 
 
 def dot_precision(dtype):
@@ -105,52 +135,39 @@ def dot_precision(dtype):
 
 def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, kv_head, *, cols: Cols,
                   block_n: int, block_size: int, num_kv_heads: int, num_pages: int, scale2: float, dot):
-    """The per-KV-tile step shared by paged decode and ragged paged attention, run by :func:`paged_kv_loop`.
+    """The per-KV-tile step shared by paged decode and ragged paged attention.
 
     ``q [M, Dp]`` rows sit at absolute positions ``q_pos [M]`` of a request with ``kv_len`` keys; key tile ``j``
-    covers positions ``[j*block_n, (j+1)*block_n)``, read through the request's block table. ``step(j, state,
-    masked) -> (state, page_ok bool[N])``. Unmasked tiles (■) build no mask at all: a key on a page id outside the
-    pool reads a row of page 0 and is only reported in ``page_ok``. Masked tiles mask loads past ``kv_len`` (the
-    table is not read there) and apply ``key_pos <= query_pos`` (a full rectangle plus a bottom-right triangle);
-    keys on a page outside the pool are not loaded and score ``-inf``.
+    covers positions ``[j*block_n, (j+1)*block_n)``, read through the request's block table. Unmasked tiles (■)
+    build no mask at all: :func:`guarded_tile_ranges` sends them here only when every page of the program is in
+    the pool. Masked tiles mask loads past ``kv_len`` (the table is not read there) and apply ``key_pos <=
+    query_pos`` (a full rectangle plus a bottom-right triangle), and keys on a page id outside the pool are never
+    loaded and score ``-inf``.
     """
     def step(j, state, masked):
         k_pos = j * block_n + jnp.arange(block_n)  # [N]
         k_valid = (k_pos < kv_len) if masked else None
         rows, page_ok = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, num_pages,
-                                   k_valid)
+                                   k_valid, guard=masked)
         ok = k_valid & page_ok if masked else None  # [N]
         k = load_rows(k_ref, rows, cols, ok)  # [N, Dp]
         v = load_rows(v_ref, rows, cols, ok)  # [N, Dp]
         s2 = dot(q, k.T) * scale2  # [M, N]
         if masked:
             s2 = jnp.where(masks.causal_mask(q_pos, k_pos, kv_len) & page_ok[None, :], s2, -jnp.inf)
-        return softmax.online_softmax_step(state, s2, v, dot), page_ok
+        return softmax.online_softmax_step(state, s2, v, dot)
 
     return step
 
 
-def paged_kv_loop(state, tile_start, full_end, kv_end, step, block_n: int):
-    """:func:`~pallas_attn.core.softmax.kv_loop` for :func:`paged_kv_step`, with the page guard off the hot path.
-
-    The full tiles ``[tile_start, full_end)`` run unguarded and only note keys whose page id is outside the pool
-    (a compare per key; they read page 0, inside the cache); the masked tiles ``[full_end, kv_end)`` guard each
-    key. If a full tile met such a page, every tile of the program runs again through the guarded step, from the
-    initial state: a well-formed batch never does, and pays no mask in its full tiles and no check before them
-    (docs/performance.md#the-cost-of-the-isolation-guards)."""
-    initial = state
-
-    def full(j, carry):
-        state, bad = carry
-        state, page_ok = step(j, state, False)
-        return state, jnp.maximum(bad, jnp.where(page_ok, 0, 1))
-
-    state, bad = jax.lax.fori_loop(tile_start, full_end, full, (state, jnp.zeros((block_n,), jnp.int32)))
-    guarded = lambda j, s: step(j, s, True)[0]  # noqa: E731
-    state = jax.lax.fori_loop(full_end, kv_end, guarded, state)
-    redo = jnp.max(bad) > 0
-    again = jax.lax.fori_loop(tile_start, jnp.where(redo, kv_end, tile_start), guarded, initial)
-    return jax.tree.map(lambda a, b: jnp.where(redo, a, b), again, state)
+def guarded_tile_ranges(block_table_ref, table_base, kv_len, tile_start, full_end, kv_end, *, block_n: int,
+                        block_size: int, num_pages: int, max_blocks: int):
+    """``full_end`` of :func:`~pallas_attn.core.masks.kv_tile_ranges`, or ``tile_start`` when a page of the
+    program's tiles ``[tile_start, kv_end)`` is outside the pool: then every tile takes the masked step, which
+    guards each key's page."""
+    ok = pages_in_pool(block_table_ref, table_base, tile_start * block_n, jnp.minimum(kv_end * block_n, kv_len),
+                       block_size, num_pages, max_blocks)
+    return jnp.where(ok, full_end, tile_start)
 
 
 def split_tile_range(split, num_splits: int, kv_len, block_n: int, split_size: int | None):

@@ -57,11 +57,14 @@ def _decode_kernel(
     full_end, kv_end = masks.kv_tile_ranges(ctx - 1, ctx - 1, ctx, block_n, tile_start=tile_start,
                                             tile_end=tile_end)
     num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
+    full_end = tiles.guarded_tile_ranges(block_tables_ref, b * max_blocks, ctx, tile_start, full_end, kv_end,
+                                         block_n=block_n, block_size=block_size, num_pages=num_pages,
+                                         max_blocks=max_blocks)
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
     step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, b * max_blocks, ctx, kv_head, cols=cols,
                                block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
                                num_pages=num_pages, scale2=scale2, dot=dot)
-    state = tiles.paged_kv_loop(softmax.init_state(rows, q_ref.shape[-1]), tile_start, full_end, kv_end, step, block_n)
+    state = softmax.kv_loop(softmax.init_state(rows, q_ref.shape[-1]), tile_start, full_end, kv_end, step)
     out, lse = softmax.finalize(state)  # an empty split (or context 0) gives 0 and -inf
     out_rows = split * num_seqs * num_q_heads + q_rows
     tiles.store_rows(o_ref, out_rows, cols, out, row_valid)

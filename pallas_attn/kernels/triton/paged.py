@@ -169,12 +169,14 @@ def _ragged_kernel(
         full_end, kv_end = masks.kv_tile_ranges(context + first, q_last, seq_len, block_n, tile_start=tile_start,
                                                 tile_end=tile_end)
         num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
+        full_end = tiles.guarded_tile_ranges(block_tables_ref, req * max_blocks, seq_len, tile_start, full_end,
+                                             kv_end, block_n=block_n, block_size=block_size, num_pages=num_pages,
+                                             max_blocks=max_blocks)
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, req * max_blocks, seq_len, kv_head,
                                    cols=cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
                                    num_pages=num_pages, scale2=scale2, dot=dot)
-        state = tiles.paged_kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end,
-                                    step, block_n)
+        state = softmax.kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end, step)
         out, lse = softmax.finalize(state)
         if compact:  # the whole tile, invalid rows included: the merge reads only valid ones
             rows = ((split * num_q_blocks + p) * num_kv_heads + kv_head) * r.shape[0] + r
