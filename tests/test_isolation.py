@@ -77,11 +77,10 @@ def test_decode_corrupt_request_stays_alone(rng, name, corrupt, num_splits):
 
 
 @pytest.mark.parametrize("bad_page", [0, 5, 9, None])
-def test_page_check_walks_every_chunk(rng, monkeypatch, bad_page):
-    """The pre-loop page check reads the table in chunks: a bad page in any chunk sends the tiles to the guarded
-    step (4 entries a chunk here, so a 10-page request takes three)."""
-    from pallas_attn.core import tiles
-    monkeypatch.setattr(tiles, "PAGE_CHECK_CHUNK", 4)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_bad_page_in_any_tile_guards_the_request(rng, bad_page, num_splits):
+    """A request with a page outside the pool runs every tile through the guarded step: a bad page in the first, a
+    middle or the masked last tile, or none, with and without splits; the other requests run unguarded."""
     lens = [37, 40, 5]
     kc, vc, bt = make_paged_kv(rng, lens, BLOCK, 1, 16, F32, max_blocks=11, table_padding="neg")
     if bad_page is not None:
@@ -89,13 +88,32 @@ def test_page_check_walks_every_chunk(rng, monkeypatch, bad_page):
     q = jnp.asarray(rng.standard_normal((3, 2, 16)), F32)
     sl = jnp.asarray(lens, jnp.int32)
     cfg = DecodeConfig(block_n=16)  # tiles 0 and 1 are full, tile 2 masked
-    out = paged_decode_attention(q, kc, vc, bt, sl, num_splits=1, config=cfg)
+    out = paged_decode_attention(q, kc, vc, bt, sl, num_splits=num_splits, config=cfg)
     _no_nan(out)
     _like_reference(out, reference.paged_decode_attention(q, kc, vc, bt, sl))
     cu = jnp.arange(4, dtype=jnp.int32)
-    out = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=1, config=cfg)
+    out = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=1, num_splits=num_splits, config=cfg)
     _no_nan(out)
     _like_reference(out, reference.paged_attention(q, kc, vc, bt, sl, cu))
+
+
+@pytest.mark.parametrize("lens, bad, want", [
+    ([8, 5], [], [1, 1]),
+    ([8, 5], [(0, 1)], [0, 1]),
+    ([8, 5], [(1, 2)], [1, 1]),  # request 1 uses entries 0 and 1 only
+    ([99, 0], [(0, 2), (1, 0)], [0, 1]),  # a length past the capacity uses the whole row; length 0 uses none
+    ([-4, 2], [(0, 0)], [1, 1]),  # a negative length uses none
+])
+def test_pages_in_pool_reads_only_the_entries_a_request_uses(lens, bad, want):
+    """Entries past a request's pages (here -1) never count; a length past the capacity uses the whole row."""
+    from pallas_attn.core import metadata
+    tables = np.full((2, 3), -1, np.int32)  # block size 4: capacity 12
+    for b, n in enumerate(lens):
+        tables[b, :min(max(-(-n // 4), 0), 3)] = 1
+    for b, j in bad:
+        tables[b, j] = 7  # past a pool of 4 pages
+    got = metadata.pages_in_pool(jnp.asarray(tables), jnp.asarray(lens, jnp.int32), 4, 4)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 # ------------------------------------------------------------------------------------------------ ragged paged

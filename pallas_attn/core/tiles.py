@@ -87,8 +87,7 @@ def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: 
     physical_block = block_table[logical_block], slot = physical_block * block_size + pos % block_size). Where
     ``valid`` is False the table is not read. With ``guard``, a page id outside ``[0, num_pages)`` is never
     dereferenced: its rows point at row 0 and ``page_ok`` is False, so callers mask their loads and scores
-    (docs/design.md#isolation-whatever-the-inputs). Without it (tiles :func:`pages_in_pool` vouched for),
-    ``page_ok`` is None.
+    (docs/design.md#isolation-whatever-the-inputs). Without it (pages already vouched for), ``page_ok`` is None.
     """
     logical = table_base + pos // block_size
     if valid is None:
@@ -102,32 +101,6 @@ def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: 
     return (page * block_size + pos % block_size) * num_kv_heads + kv_head, page_ok
 
 
-PAGE_CHECK_CHUNK = 256  # table entries checked per vector load by pages_in_pool
-
-
-def pages_in_pool(block_table_ref, table_base, pos_start, pos_end, block_size: int, num_pages: int,
-                  max_blocks: int):
-    """Scalar bool: every page holding key positions ``[pos_start, pos_end)`` has an id in ``[0, num_pages)``.
-
-    One pass over the program's own table entries, ``PAGE_CHECK_CHUNK`` at a time, before its KV loop: when it
-    holds (every well-formed batch), the full tiles skip the per-key page guard, whose masked loads and ``[M, N]``
-    select cost 13% on a compute-bound mixed batch (docs/performance.md#the-cost-of-the-isolation-guards).
-    ``pos_end`` must not pass the table's capacity."""
-    first = pos_start // block_size
-    last = (pos_end + block_size - 1) // block_size  # exclusive
-    chunk = min(1 << max(max_blocks - 1, 0).bit_length(), PAGE_CHECK_CHUNK)
-    idx = jnp.arange(chunk)
-
-    def count_bad(c, bad):
-        logical = first + c * chunk + idx
-        used = logical < last
-        page = plgpu.load(block_table_ref.at[table_base + logical], mask=used, other=0)
-        return bad + jnp.sum((used & ((page < 0) | (page >= num_pages))).astype(jnp.int32))
-
-    num_chunks = (jnp.maximum(last - first, 0) + chunk - 1) // chunk
-    return jax.lax.fori_loop(0, num_chunks, count_bad, jnp.int32(0)) == 0
-
-
 def dot_precision(dtype):
     """float32 inputs use full-precision (IEEE) dots; bf16/fp16 the tensor-core default."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
@@ -139,10 +112,10 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
 
     ``q [M, Dp]`` rows sit at absolute positions ``q_pos [M]`` of a request with ``kv_len`` keys; key tile ``j``
     covers positions ``[j*block_n, (j+1)*block_n)``, read through the request's block table. Unmasked tiles (■)
-    build no mask at all: :func:`guarded_tile_ranges` sends them here only when every page of the program is in
-    the pool. Masked tiles mask loads past ``kv_len`` (the table is not read there) and apply ``key_pos <=
-    query_pos`` (a full rectangle plus a bottom-right triangle), and keys on a page id outside the pool are never
-    loaded and score ``-inf``.
+    build no mask at all: the kernels send tiles here only for a request whose pages are all in the pool
+    (:func:`pallas_attn.core.metadata.pages_in_pool`). Masked tiles mask loads past ``kv_len`` (the table is not
+    read there) and apply ``key_pos <= query_pos`` (a full rectangle plus a bottom-right triangle), and keys on a
+    page id outside the pool are never loaded and score ``-inf``.
     """
     def step(j, state, masked):
         k_pos = j * block_n + jnp.arange(block_n)  # [N]
@@ -158,16 +131,6 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
         return softmax.online_softmax_step(state, s2, v, dot)
 
     return step
-
-
-def guarded_tile_ranges(block_table_ref, table_base, kv_len, tile_start, full_end, kv_end, *, block_n: int,
-                        block_size: int, num_pages: int, max_blocks: int):
-    """``full_end`` of :func:`~pallas_attn.core.masks.kv_tile_ranges`, or ``tile_start`` when a page of the
-    program's tiles ``[tile_start, kv_end)`` is outside the pool: then every tile takes the masked step, which
-    guards each key's page."""
-    ok = pages_in_pool(block_table_ref, table_base, tile_start * block_n, jnp.minimum(kv_end * block_n, kv_len),
-                       block_size, num_pages, max_blocks)
-    return jnp.where(ok, full_end, tile_start)
 
 
 def split_tile_range(split, num_splits: int, kv_len, block_n: int, split_size: int | None):

@@ -117,6 +117,7 @@ def _ragged_kernel(
     block_first_ref,  # i32[num_q_blocks]: first request-local token of the block
     cu_query_lens_ref,  # i32[num_seqs + 1]
     seq_lens_ref,  # i32[num_seqs]
+    pages_ok_ref,  # i32[num_seqs]: 1 where every page the request uses is in the pool (metadata.pages_in_pool)
     block_tables_ref,  # i32[num_seqs * max_blocks]
     q_ref,  # [T * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
@@ -169,9 +170,7 @@ def _ragged_kernel(
         full_end, kv_end = masks.kv_tile_ranges(context + first, q_last, seq_len, block_n, tile_start=tile_start,
                                                 tile_end=tile_end)
         num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
-        full_end = tiles.guarded_tile_ranges(block_tables_ref, req * max_blocks, seq_len, tile_start, full_end,
-                                             kv_end, block_n=block_n, block_size=block_size, num_pages=num_pages,
-                                             max_blocks=max_blocks)
+        full_end = jnp.where(pages_ok_ref[req] != 0, full_end, tile_start)  # a page outside the pool: all guarded
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, req * max_blocks, seq_len, kv_head,
                                    cols=cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
@@ -271,7 +270,8 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
 
     full = lambda n, w=padded: pl.BlockSpec((n, w), lambda *_: (0, 0))  # noqa: E731
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))  # noqa: E731
-    args = (cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim),
+    args = (cu_query_lens, seq_lens, metadata.pages_in_pool(block_tables, seq_lens, block_size, num_blocks),
+            block_tables.reshape(-1), q.reshape(-1, head_dim),
             k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
     prev, merge_in = (), None  # the last launch's token-row outputs; compact partials awaiting their merge
     for block_q, num_q_blocks, query_class, pass_cfg, (splits, size), compact in passes:
@@ -280,7 +280,7 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
                     else (splits if splits > 1 else 1) * num_tokens * num_q_heads)
         block_req, block_first = _query_blocks(cu_query_lens, block_q, num_q_blocks, query_class)
         merge = None
-        in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs),
+        in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs), vec(num_seqs),
                     vec(num_seqs * max_blocks), full(num_tokens * num_q_heads), full(cache_rows), full(cache_rows)]
         extra = []
         if merge_in is not None:
