@@ -8,8 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import PrefillConfig, reference, varlen_attention
-from pallas_attn.testing import assert_attention_close, random_packed
+from pallas_attn import (
+    DecodeConfig,
+    PrefillConfig,
+    merge_attention_states,
+    paged_decode_attention,
+    reference,
+    varlen_attention,
+)
+from pallas_attn.testing import assert_attention_close, make_paged_kv, random_packed
 
 CFG = PrefillConfig(block_m=16, block_n=16)
 LENS = [40, 1, 17, 16, 33]  # a request of one token, one of exactly a tile, tile ± 1, several tiles
@@ -102,3 +109,65 @@ def test_bad_feature_arguments_raise(rng, kw, error, match):
     q, k, v, cu = _inputs(rng)
     with pytest.raises(error, match=match):
         varlen_attention(q, k, v, cu, max_seqlen=64, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ paged decode
+DECODE_LENS = [70, 1, 33, 16, 0, 17]
+
+
+def _decode_inputs(rng, hq=8, hkv=2, d=32, block_size=8):
+    kc, vc, bt = make_paged_kv(rng, DECODE_LENS, block_size, hkv, d, jnp.float32, max_blocks=10, table_padding="neg")
+    q = jnp.asarray(rng.standard_normal((len(DECODE_LENS), hq, d)), jnp.float32)
+    return q, kc, vc, bt, jnp.asarray(DECODE_LENS, jnp.int32)
+
+
+def _check_decode(args, num_splits, **kw):
+    out, lse = paged_decode_attention(*args, config=DecodeConfig(block_n=16), num_splits=num_splits,
+                                      return_lse=True, **kw)
+    ref, ref_lse = reference.paged_decode_attention(*args, return_lse=True, **kw)
+    assert_attention_close(out, ref)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(ref_lse)))
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("kw", [
+    dict(window_size=(0, -1)), dict(window_size=(15, -1)), dict(window_size=(16, -1)), dict(window_size=(17, -1)),
+    dict(window_size=(500, -1)), dict(softcap=2.0), "alibi", "sinks", "all",
+], ids=["w0", "w15", "w16", "w17", "w500", "softcap", "alibi", "sinks", "all"])
+def test_decode_features(rng, kw, num_splits):
+    args = _decode_inputs(rng)
+    if kw == "alibi":
+        kw = dict(alibi_slopes=_heads(rng, 0.01, 0.3, 8))
+    elif kw == "sinks":
+        kw = dict(sinks=_heads(rng, -2, 2, 8))
+    elif kw == "all":
+        kw = dict(window_size=(20, -1), softcap=3.0, alibi_slopes=_heads(rng, 0.01, 0.3, 8),
+                  sinks=_heads(rng, -1, 1, 8))
+    _check_decode(args, num_splits, **kw)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_window_reads_no_expired_page(rng, num_splits):
+    """Pages wholly before the query's window may be freed already: their table entries (-1 or a NaN page) are
+    never read, and the request still runs unguarded."""
+    q, kc, vc, bt, sl = _decode_inputs(rng)
+    kw = dict(window_size=(9, -1))
+    clean = paged_decode_attention(q, kc, vc, bt, sl, num_splits=num_splits, **kw)
+    # request 0 (70 keys, query at 69) sees keys 60..69: pages 0..6 (keys 0..55) are outside its window
+    bt2 = bt.at[0, :3].set(-1).at[0, 3:7].set(kc.shape[0] + 5)
+    out = paged_decode_attention(q, kc, vc, bt2, sl, num_splits=num_splits, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+
+
+def test_merge_applies_the_sink_once(rng):
+    outs = jnp.asarray(rng.standard_normal((3, 5, 4, 16)), jnp.float32)
+    lses = jnp.asarray(rng.standard_normal((3, 5, 4)), jnp.float32).at[1, 2].set(-jnp.inf)
+    sinks = _heads(rng, -1, 1)
+    got = merge_attention_states(outs, lses, sinks=sinks)
+    want = reference.merge_attention_states(outs, lses, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
+    with pytest.raises(ValueError, match="sinks"):
+        merge_attention_states(outs, lses, sinks=jnp.zeros(5))

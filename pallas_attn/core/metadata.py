@@ -398,7 +398,7 @@ def clamp_cu(cu, num_tokens: int):
     return jnp.minimum(jax.lax.cummax(jnp.maximum(cu, 0)), num_tokens).astype(cu.dtype)
 
 
-def pages_in_pool(block_tables, seq_lens, block_size: int, num_pages: int):
+def pages_in_pool(block_tables, seq_lens, block_size: int, num_pages: int, window_left: int = -1):
     """``i32[num_seqs]``: 1 where every table entry request ``b`` uses (its first ``cdiv(seq_lens[b], block_size)``,
     the length clamped to the table's capacity) is a page id in ``[0, num_pages)``, else 0. One small fusion before
     the paged kernels: a request that fails it runs every key tile through the guarded step (a page outside the
@@ -406,7 +406,10 @@ def pages_in_pool(block_tables, seq_lens, block_size: int, num_pages: int):
     (docs/performance.md#the-cost-of-the-isolation-guards)."""
     max_blocks = block_tables.shape[1]
     lens = jnp.clip(seq_lens, 0, max_blocks * block_size)
-    used = jnp.arange(max_blocks, dtype=jnp.int32)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+    idx = jnp.arange(max_blocks, dtype=jnp.int32)[None, :]
+    used = idx < ((lens + block_size - 1) // block_size)[:, None]
+    if window_left >= 0:  # decode: pages wholly before the last query's window may be freed already
+        used &= idx >= (jnp.maximum(lens - 1 - window_left, 0) // block_size)[:, None]
     bad = used & ((block_tables < 0) | (block_tables >= num_pages))
     return 1 - jnp.max(bad, axis=1, initial=False).astype(jnp.int32)
 

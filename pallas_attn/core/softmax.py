@@ -123,14 +123,24 @@ def finalize(state, sink2=None):
     return normalize(acc, l + jnp.exp2(sink2 - m_safe)), log_sum_exp(m, l)
 
 
-def merge_split_outputs(out, lse, num_splits: int, shape: tuple, dtype):
+def merge_split_outputs(out, lse, num_splits: int, shape: tuple, dtype, sinks=None):
     """The kernels' flat outputs → ``(out [*shape] dtype, lse [*shape[:-1]] f32)``; with ``num_splits > 1`` they
-    are ``num_splits`` float32 partial states, merged here (the second pass of split-KV)."""
+    are ``num_splits`` float32 partial states, merged here (the second pass of split-KV), and ``sinks`` (``f32[H]``,
+    the heads axis ``shape[-2]``) applied once to the merged state."""
     if num_splits == 1:
         return out.reshape(shape), lse.reshape(shape[:-1])
     out, lse = out.reshape(num_splits, *shape), lse.reshape(num_splits, *shape[:-1])
     out, lse = fold_split_states(num_splits, lambda s: lse[s], lambda s: out[s], shape[:-1], shape)
+    if sinks is not None:
+        out = apply_sink(out, lse, sinks)
     return out.astype(dtype), lse
+
+
+def apply_sink(out, lse, sinks):
+    """A normalised state ``(out [..., H, D], lse [..., H])`` with ``exp(sinks [H])`` added to its denominator:
+    ``out · Σ / (Σ + e^sink) = out / (1 + e^(sink − lse))``; the LSE stays over the keys. A row with no key stays
+    0 (its ``lse`` is ``-inf``), a sink far above the keys takes it to 0."""
+    return out / (1.0 + jnp.exp(sinks.astype(jnp.float32) - lse))[..., None]
 
 
 def _unrolled(n: int, body, init):

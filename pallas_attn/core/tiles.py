@@ -107,8 +107,10 @@ def dot_precision(dtype):
 
 
 def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, kv_head, *, cols: Cols,
-                  block_n: int, block_size: int, num_kv_heads: int, num_pages: int, scale2: float, dot):
-    """The per-KV-tile step shared by paged decode and ragged paged attention.
+                  block_n: int, block_size: int, num_kv_heads: int, num_pages: int, scale: float, dot,
+                  mods: masks.ScoreMods = masks.NO_MODS, slope2=None):
+    """The per-KV-tile step shared by paged decode and ragged paged attention (``mods``: window, soft-cap and
+    ALiBi on absolute positions; ``slope2 [M]`` the rows' ALiBi slopes in base 2).
 
     ``q [M, Dp]`` rows sit at absolute positions ``q_pos [M]`` of a request with ``kv_len`` keys; key tile ``j``
     covers positions ``[j*block_n, (j+1)*block_n)``, read through the request's block table. Unmasked tiles (■)
@@ -125,24 +127,26 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
         ok = k_valid & page_ok if masked else None  # [N]
         k = load_rows(k_ref, rows, cols, ok)  # [N, Dp]
         v = load_rows(v_ref, rows, cols, ok)  # [N, Dp]
-        s2 = dot(q, k.T) * scale2  # [M, N]
+        s2 = mods.scores(dot(q, k.T), scale, q_pos, k_pos, slope2)  # [M, N] base 2
         if masked:
-            s2 = jnp.where(masks.causal_mask(q_pos, k_pos, kv_len) & page_ok[None, :], s2, -jnp.inf)
+            visible = masks.causal_mask(q_pos, k_pos, kv_len) & page_ok[None, :]
+            window = mods.window_mask(q_pos, k_pos)
+            s2 = jnp.where(visible if window is None else visible & window, s2, -jnp.inf)
         return softmax.online_softmax_step(state, s2, v, dot)
 
     return step
 
 
-def split_tile_range(split, num_splits: int, kv_len, block_n: int, split_size: int | None):
+def split_tile_range(split, num_splits: int, kv_len, block_n: int, split_size: int | None, first_tile=0):
     """Key tiles ``[tile_start, tile_end)`` of split ``split`` (split-KV segments, aligned to ``block_n``).
 
     Fixed ``split_size`` (tokens, a multiple of ``block_n``): segment ``s`` is ``[s*split_size, (s+1)*split_size)``
-    whatever else is in the batch (batch invariant). Otherwise the request's tiles are shared out evenly among
-    ``num_splits`` segments.
+    whatever else is in the batch (batch invariant). Otherwise the request's tiles from ``first_tile`` on (a
+    window's first) are shared out evenly among ``num_splits`` segments.
     """
     if split_size is not None:
         per = split_size // block_n
         return split * per, (split + 1) * per
     tiles_total = (kv_len + block_n - 1) // block_n
-    per = (tiles_total + num_splits - 1) // num_splits
-    return split * per, jnp.minimum((split + 1) * per, tiles_total)
+    per = (tiles_total - first_tile + num_splits - 1) // num_splits
+    return first_tile + split * per, jnp.minimum(first_tile + (split + 1) * per, tiles_total)

@@ -10,7 +10,7 @@ import functools
 
 import jax
 
-from pallas_attn.core import backend, config as config_lib, validation
+from pallas_attn.core import backend, config as config_lib, masks, validation
 from pallas_attn.kernels.triton import decode as triton_decode
 from pallas_attn.ops import common
 from pallas_attn.ops.common import renamed_argument
@@ -30,13 +30,16 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens):
 
 
 @renamed_argument("context_lens", "seq_lens")
-@common.front(arrays=("q", "k_cache", "v_cache"), int_arrays=("block_tables", "seq_lens"),
-              statics=dict(softmax_scale=validation.check_softmax_scale, num_splits=_OPTIONAL_INT,
+@common.front(arrays=("q", "k_cache", "v_cache", "alibi_slopes", "sinks"), int_arrays=("block_tables", "seq_lens"),
+              statics=dict(softmax_scale=validation.check_softmax_scale, window_size=validation.check_window_size,
+                           softcap=validation.check_softcap, num_splits=_OPTIONAL_INT,
                            split_size=_OPTIONAL_INT, return_lse=validation.check_static_bool,
                            interpret=_OPTIONAL_BOOL))
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "num_splits", "split_size", "return_lse",
-                                             "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "window_size", "softcap", "num_splits", "split_size",
+                                             "return_lse", "interpret", "config"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale: float | None = None,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                           sinks=None,
                            num_splits: int | None = None, split_size: int | None = None, return_lse: bool = False,
                            interpret: bool | None = None, config: config_lib.DecodeConfig | None = None):
     """One query per request against its paged K/V.
@@ -51,6 +54,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
         ``seq_lens`` and :attr:`pallas_attn.BatchMetadata.seq_lens`); 0 gives output 0 and LSE -inf. Its former name
         ``context_lens=`` still works for one release, with a ``DeprecationWarning``.
       softmax_scale: None (``1/sqrt(head_dim)``) or a finite Python float > 0.
+      window_size, softcap, alibi_slopes, sinks: as :func:`pallas_attn.varlen_attention`, on absolute positions
+        (the query sits at ``seq_lens[b] - 1``). With a left window only its keys are read and split, and pages
+        wholly before it may already be freed (their table entries are never read).
       num_splits: split-KV segments per request (static Python int >= 1). None: heuristic from num_seqs ×
         num_kv_heads, the table's capacity ``max_blocks * block_size`` and the SM count; 1: single pass, no merge.
       split_size: fixed segment length in tokens (multiple of ``config.block_n``) instead of a count: outputs are
@@ -69,14 +75,22 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
       >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
     """
     _validate(q, k_cache, v_cache, block_tables, seq_lens)
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            validation.check_head_vector(name, x, q.shape[1])
+    mods = masks.ScoreMods(*window_size, softcap, alibi_slopes is not None, sinks is not None)
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
-    splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2],
-                                                   block_tables.shape[1] * k_cache.shape[1], cfg.block_n,
-                                                   num_splits, split_size)
+    keys = block_tables.shape[1] * k_cache.shape[1]  # the most keys a request reads: the table, or the window
+    if mods.window_left >= 0:
+        keys = min(keys, mods.window_left + 1 + cfg.block_n)  # a window straddles one more tile
+    splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2], keys, cfg.block_n, num_splits,
+                                                   split_size)
     if 0 in (q.shape[0], block_tables.shape[1], k_cache.shape[0]):  # no request, no page: no key, no kernel
         return common.no_rows(*q.shape, q.dtype, return_lse)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     run = functools.partial(triton_decode.paged_decode_triton, scale=float(scale), num_splits=splits,
-                            split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg)
-    out, lse = common.no_backward("paged_decode_attention", run)(q, k_cache, v_cache, block_tables, seq_lens)
+                            split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg,
+                            mods=mods)
+    out, lse = common.no_backward("paged_decode_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,
+                                                                 alibi_slopes, sinks)
     return (out, lse) if return_lse else out

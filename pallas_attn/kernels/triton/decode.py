@@ -37,12 +37,16 @@ def _decode_kernel(
     q_ref,  # [num_seqs * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
-    # outputs
-    o_ref,  # [num_seqs * Hq, Dp] (single pass, q dtype) or [num_splits * num_seqs * Hq, Dp] (f32 partials)
-    lse_ref,  # f32[num_seqs * Hq] or f32[num_splits * num_seqs * Hq]
-    *, num_q_heads: int, num_kv_heads: int, head_dim: int, rows: int, max_blocks: int, block_size: int,
-    block_n: int, num_splits: int, split_size: int | None, scale2: float, precision,
+    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says); outputs o, lse:
+    #         o [num_seqs * Hq, Dp] (single pass, q dtype) or [num_splits * num_seqs * Hq, Dp] (f32 partials),
+    #         lse f32[num_seqs * Hq] or f32[num_splits * num_seqs * Hq]
+    num_q_heads: int, num_kv_heads: int, head_dim: int, rows: int, max_blocks: int, block_size: int,
+    block_n: int, num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, precision,
 ):
+    refs = list(refs)
+    slopes_ref = refs.pop(0) if mods.alibi else None
+    sinks_ref = refs.pop(0) if mods.sinks else None
+    o_ref, lse_ref = refs
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = num_q_heads // num_kv_heads
     num_seqs = pl.num_programs(0)
@@ -53,26 +57,45 @@ def _decode_kernel(
     q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [rows, Dp]
     ctx = jnp.clip(seq_lens_ref[b], 0, max_blocks * block_size)  # a length past the table reads nothing more
     q_pos = jnp.full((rows,), ctx - 1)  # the query is the last position: every key is visible
+    # a left window: the tiles before it are never loaded, and the splits share out only the window's tiles
+    first_tile = jnp.maximum(ctx - 1 - mods.window_left, 0) // block_n if mods.window_left >= 0 else 0
 
-    tile_start, tile_end = tiles.split_tile_range(split, num_splits, ctx, block_n, split_size)
-    full_end, kv_end = masks.kv_tile_ranges(ctx - 1, ctx - 1, ctx, block_n, tile_start=tile_start,
-                                            tile_end=tile_end)
+    tile_start, tile_end = tiles.split_tile_range(split, num_splits, ctx, block_n, split_size, first_tile)
+    full_start = None
+    if mods.windowed:
+        tile_start, full_start, full_end, kv_end = masks.window_tile_ranges(
+            ctx - 1, ctx - 1, ctx, block_n, (mods.window_left, mods.window_right), tile_start=tile_start,
+            tile_end=tile_end)
+    else:
+        full_end, kv_end = masks.kv_tile_ranges(ctx - 1, ctx - 1, ctx, block_n, tile_start=tile_start,
+                                                tile_end=tile_end)
     num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
-    full_end = jnp.where(pages_ok_ref[b] != 0, full_end, tile_start)  # a page outside the pool: every tile guarded
+    guarded = pages_ok_ref[b] == 0  # a page outside the pool: every tile guarded
+    full_end = jnp.where(guarded, tile_start, full_end)
+    if full_start is not None:
+        full_start = jnp.where(guarded, tile_start, full_start)
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
     step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, b * max_blocks, ctx, kv_head, cols=cols,
                                block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
-                               num_pages=num_pages, scale2=scale2, dot=dot)
-    state = softmax.kv_loop(softmax.init_state(rows, q_ref.shape[-1]), tile_start, full_end, kv_end, step)
-    out, lse = softmax.finalize(state)  # an empty split (or context 0) gives 0 and -inf
+                               num_pages=num_pages, scale=scale, dot=dot, mods=mods,
+                               slope2=tiles.load_vector(slopes_ref, q_rows % num_q_heads, row_valid) * softmax.LOG2E
+                               if mods.alibi else None)
+    state = softmax.kv_loop(softmax.init_state(rows, q_ref.shape[-1]), tile_start, full_end, kv_end, step,
+                            full_start)
+    # an empty split (or context 0) gives 0 and -inf; split partials leave the sink to the merge
+    sink2 = (tiles.load_vector(sinks_ref, q_rows % num_q_heads, row_valid) * softmax.LOG2E
+             if mods.sinks and num_splits == 1 else None)
+    out, lse = softmax.finalize(state, sink2)
     out_rows = split * num_seqs * num_q_heads + q_rows
     tiles.store_rows(o_ref, out_rows, cols, out, row_valid)
     tiles.store_vector(lse_ref, out_rows, lse, row_valid)
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, *, scale, num_splits, split_size, interpret,
-                 cfg: config_lib.DecodeConfig):
+def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes=None, sinks=None, *, scale,
+                        num_splits, split_size, interpret, cfg: config_lib.DecodeConfig,
+                        mods: masks.ScoreMods = masks.NO_MODS):
+    """``(out [num_seqs, Hq, D], lse)``; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
@@ -88,18 +111,20 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, *, scale, n
     kernel = functools.partial(
         _decode_kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rows=rows,
         max_blocks=max_blocks, block_size=block_size, block_n=cfg.block_n, num_splits=num_splits,
-        split_size=split_size, scale2=scale * softmax.LOG2E, precision=tiles.dot_precision(q.dtype))
+        split_size=split_size, scale=scale, mods=mods, precision=tiles.dot_precision(q.dtype))
+    features = [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None]
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=[vec(num_seqs), vec(num_seqs), vec(num_seqs * max_blocks), full(num_seqs * num_q_heads),
-                  full(cache_rows), full(cache_rows)],
+                  full(cache_rows), full(cache_rows)] + [vec(num_q_heads)] * len(features),
         out_specs=[full(out_rows), vec(out_rows)],
         out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
                    jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"paged_decode_d{head_dim}_bs{block_size}" + ("_split" if partial else ""),
-    )(seq_lens, metadata.pages_in_pool(block_tables, seq_lens, block_size, num_blocks), block_tables.reshape(-1),
-      q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
-    return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype)
+    )(seq_lens, metadata.pages_in_pool(block_tables, seq_lens, block_size, num_blocks, mods.window_left),
+      block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
+      v_cache.reshape(-1, head_dim), *features)
+    return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype, sinks if num_splits > 1 else None)

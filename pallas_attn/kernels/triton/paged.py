@@ -125,7 +125,7 @@ def _ragged_kernel(
     *refs,  # [merge inputs], [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o, lse
     zero_padding: bool, compact: bool, merge: tuple | None, num_seqs: int, num_tokens: int, num_q_heads: int,
     num_kv_heads: int, head_dim: int, group_padded: int, block_q: int, max_blocks: int, block_size: int,
-    block_n: int, num_splits: int, split_size: int | None, scale2: float, precision,
+    block_n: int, num_splits: int, split_size: int | None, scale: float, precision,
 ):
     """``compact``: write f32 partial states tile by tile into ``[num_splits, num_q_blocks, Hkv, M, Dp]`` (a later
     launch merges them) instead of token rows. ``merge = (merge_blocks, merge_block_q, merge_splits)``: program
@@ -174,7 +174,7 @@ def _ragged_kernel(
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, req * max_blocks, seq_len, kv_head,
                                    cols=cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
-                                   num_pages=num_pages, scale2=scale2, dot=dot)
+                                   num_pages=num_pages, scale=scale, dot=dot)
         state = softmax.kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end, step)
         out, lse = softmax.finalize(state)
         if compact:  # the whole tile, invalid rows included: the merge reads only valid ones
@@ -293,7 +293,7 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
             _ragged_kernel, zero_padding=not compact and not prev, compact=compact, merge=merge, num_seqs=num_seqs,
             num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             group_padded=group_padded, block_q=block_q, max_blocks=max_blocks, block_size=block_size,
-            block_n=pass_cfg.block_n, num_splits=splits, split_size=size, scale2=scale * softmax.LOG2E,
+            block_n=pass_cfg.block_n, num_splits=splits, split_size=size, scale=scale,
             precision=tiles.dot_precision(q.dtype))
         outs = pl.pallas_call(
             kernel,
