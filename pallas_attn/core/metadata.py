@@ -394,7 +394,8 @@ def _validate_metadata(md: BatchMetadata) -> None:
 def clamp_cu(cu, num_tokens: int):
     """Request boundaries ``i32[num_seqs + 1]`` made safe whatever they hold: clamped into ``[0, num_tokens]`` and
     non-decreasing (a running max). On valid boundaries it is the identity; on broken ones the requests keep
-    disjoint rows inside the array, so no request can read or write another's (docs/design.md#conventions)."""
+    disjoint rows inside the array, so no request can read or write another's
+    (docs/design.md#isolation-whatever-the-inputs)."""
     return jnp.minimum(jax.lax.cummax(jnp.maximum(cu, 0)), num_tokens).astype(cu.dtype)
 
 

@@ -67,9 +67,10 @@ def store_vector(ref, rows, value, row_mask=None):
 
 def request_span(cu_ref, b, num_seqs: int, num_tokens: int):
     """``(start, end)`` of request ``b``'s rows from the ``i32[num_seqs + 1]`` boundaries ``cu_ref``, whatever they
-    hold: boundaries are clamped into ``[0, num_tokens]`` and made non-decreasing (a running max), so requests never
-    overlap and a request never reaches past the array (docs/design.md#conventions). One vector load per program.
-    ``b == num_seqs`` gives ``(end of the last request, end of the last request)``."""
+    hold: the rule of :func:`pallas_attn.core.metadata.clamp_cu`, applied inside the Triton prefill (one vector load
+    per program, no launch before the kernel), so requests never overlap and never reach past the array
+    (docs/design.md#isolation-whatever-the-inputs). ``b == num_seqs`` gives ``(end of the last request, end of the
+    last request)``."""
     idx = jnp.arange(1 << max(num_seqs, 1).bit_length())  # a power of two > num_seqs
     cu = jnp.clip(plgpu.load(cu_ref.at[jnp.minimum(idx, num_seqs)]), 0, num_tokens)
     start = jnp.max(jnp.where(idx <= b, cu, 0))
