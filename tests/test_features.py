@@ -12,10 +12,12 @@ from pallas_attn import (
     DecodeConfig,
     PrefillConfig,
     merge_attention_states,
+    paged_attention,
     paged_decode_attention,
     reference,
     varlen_attention,
 )
+from pallas_attn.core import masks
 from pallas_attn.testing import assert_attention_close, make_paged_kv, random_packed
 
 CFG = PrefillConfig(block_m=16, block_n=16)
@@ -66,6 +68,19 @@ def test_keys_outside_the_window_are_never_read(rng):
     k2, v2 = k.at[:32].set(jnp.nan), v.at[:32].set(jnp.nan)
     out2 = varlen_attention(q, k2, v2, cu, max_seqlen=70, config=CFG, window_size=(left, -1))
     np.testing.assert_array_equal(np.asarray(out2)[48:], np.asarray(out)[48:])
+
+
+@pytest.mark.parametrize("causal, window", [(True, (5, -1)), (False, (5, 3))])
+def test_keys_outside_every_window_hold_nan(rng, causal, window):
+    """NaN in the keys no row of a query tile sees, partial tiles included: the output does not change."""
+    q, k, v, cu = _inputs(rng, [70], pad=0)
+    kw = dict(max_seqlen=70, config=CFG, causal=causal, window_size=window)
+    out = varlen_attention(q, k, v, cu, **kw)
+    # rows 48..63 (one query tile) see keys 43..63 (+3 past the tile without causality); keys 0..42 and 67.. are
+    # outside every one of their windows, including keys 32..42 of a tile they load
+    outside = np.r_[0:43, 67:70] if not causal else np.r_[0:43]
+    out2 = varlen_attention(q, k.at[outside].set(jnp.nan), v.at[outside].set(jnp.nan), cu, **kw)
+    np.testing.assert_array_equal(np.asarray(out2)[48:64], np.asarray(out)[48:64])
 
 
 @pytest.mark.parametrize("softcap", [1.0, 30.0])
@@ -159,6 +174,10 @@ def test_decode_window_reads_no_expired_page(rng, num_splits):
     bt2 = bt.at[0, :3].set(-1).at[0, 3:7].set(kc.shape[0] + 5)
     out = paged_decode_attention(q, kc, vc, bt2, sl, num_splits=num_splits, **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+    # and NaN in keys 56..59, the slots of page 7 before the window
+    kc2, vc2 = (x.at[int(bt[0, 7]), :4].set(jnp.nan) for x in (kc, vc))
+    out = paged_decode_attention(q, kc2, vc2, bt2, sl, num_splits=num_splits, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
 
 
 def test_merge_applies_the_sink_once(rng):
@@ -171,3 +190,107 @@ def test_merge_applies_the_sink_once(rng):
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
     with pytest.raises(ValueError, match="sinks"):
         merge_attention_states(outs, lses, sinks=jnp.zeros(5))
+
+
+# ------------------------------------------------------------------------------------------ ragged paged attention
+# (q_len, context): decode, decode on an empty context, verification, a chunk over a prefix, a fresh prefill, an
+# idle request; tile (16) ± 1 both ways
+RAGGED = [(1, 69), (1, 0), (6, 40), (17, 31), (33, 0), (0, 12), (16, 16)]
+
+
+def _ragged_inputs(rng, hq=8, hkv=2, d=32, block_size=8, requests=RAGGED):
+    q_lens = [n for n, _ in requests]
+    seq_lens = [n + c for n, c in requests]
+    kc, vc, bt = make_paged_kv(rng, seq_lens, block_size, hkv, d, jnp.float32, table_padding="neg")
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((int(cu[-1]) + 3, hq, d)), jnp.float32)  # 3 padding rows
+    return q, kc, vc, bt, jnp.asarray(seq_lens, jnp.int32), cu
+
+
+def _check_ragged(args, **kw):
+    q, *_, cu = args
+    out, lse = paged_attention(*args, max_query_len=33, return_lse=True, **kw)
+    ref, ref_lse = reference.paged_attention(*args, return_lse=True,
+                                             **{k: v for k, v in kw.items() if k not in ("config", "chunk_config")})
+    n = int(cu[-1])
+    assert_attention_close(out, ref, valid_rows=n)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)[:n]), np.isneginf(np.asarray(ref_lse)[:n]))
+    finite = np.isfinite(np.asarray(ref_lse)[:n])
+    np.testing.assert_allclose(np.asarray(lse)[:n][finite], np.asarray(ref_lse)[:n][finite], rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out)[n:] == 0) and np.all(np.isneginf(np.asarray(lse)[n:]))
+
+
+# one launch with 16-key tiles; two launches (chunks apart) with or without splits, the short launch's split
+# partials merged in the chunk launch (compact) or everything split and merged after
+RAGGED_PLANS = {
+    "one-launch": dict(config=DecodeConfig(block_n=16, block_q=4)),
+    "two-launches": dict(config=DecodeConfig(block_n=16), chunk_config=DecodeConfig(block_n=16, block_q=16)),
+    "split3": dict(config=DecodeConfig(block_n=16, block_q=4), num_splits=3),
+    "two-launches-split2": dict(config=DecodeConfig(block_n=16), chunk_config=DecodeConfig(block_n=16, block_q=16),
+                                num_splits=2),
+}
+
+
+def _cases(kws, plans):
+    return [pytest.param(kw, plan, id=f"{name}-{plan}") for name, kw in kws.items() for plan in plans]
+
+
+WINDOWS = {f"w{l}" + (f"-{r}" if r >= 0 else ""): dict(window_size=(l, r))
+           for l, r in [(0, -1), (15, -1), (16, -1), (17, -1), (500, -1), (4, 2)]}
+
+
+@pytest.mark.parametrize("kw, plan", _cases(WINDOWS, ["one-launch", "two-launches-split2"])
+                         + _cases(dict(softcap=dict(softcap=2.0), alibi="alibi"), ["two-launches"])
+                         + _cases(dict(sinks="sinks"), list(RAGGED_PLANS))
+                         + _cases(dict(all="all"), ["two-launches", "split3"]))
+def test_ragged_features(rng, kw, plan):
+    args = _ragged_inputs(rng)
+    if kw == "alibi":
+        kw = dict(alibi_slopes=_heads(rng, 0.01, 0.3, 8))
+    elif kw == "sinks":
+        kw = dict(sinks=_heads(rng, -2, 2, 8))
+    elif kw == "all":
+        kw = dict(window_size=(20, -1), softcap=3.0, alibi_slopes=_heads(rng, 0.01, 0.3, 8),
+                  sinks=_heads(rng, -1, 1, 8))
+    _check_ragged(args, **kw, **RAGGED_PLANS[plan])
+
+
+def test_ragged_compact_split_merge_applies_the_sink_once(rng):
+    """Decodes split on their own (compact partials, merged by the chunk launch's programs) next to a chunk."""
+    args = _ragged_inputs(rng, requests=[(1, 150), (1, 90), (40, 8)])
+    from pallas_attn.kernels.triton import paged as triton_paged
+    q, kc, vc, bt, sl, cu = args
+    cfg, chunk_cfg = DecodeConfig(block_n=16), DecodeConfig(block_n=16, block_q=16)
+    sinks = _heads(rng, -1, 1, 8)
+    out, _ = triton_paged.ragged_paged_triton(q, kc, vc, bt, sl, cu, None, sinks, max_query_len=40,
+                                              scale=32 ** -0.5, num_splits=1, split_size=None, interpret=True,
+                                              cfg=cfg, chunk_cfg=chunk_cfg, short_splits=(3, None),
+                                              mods=masks.ScoreMods(sinks=True))
+    ref = reference.paged_attention(*args, sinks=sinks)
+    assert_attention_close(out, ref, valid_rows=int(cu[-1]))
+
+
+@pytest.mark.parametrize("plan", ["one-launch", "split3"])
+def test_ragged_window_reads_no_expired_page(rng, plan):
+    """Pages wholly before a request's first query's window may be freed: never read, the request unguarded."""
+    args = _ragged_inputs(rng, requests=[(6, 64), (1, 20)])
+    q, kc, vc, bt, sl, cu = args
+    kw = dict(window_size=(9, -1), **RAGGED_PLANS[plan])
+    clean = paged_attention(*args, max_query_len=8, **kw)
+    # request 0: 70 keys, first query at 64 sees keys from 55 on: pages 0..5 (keys 0..47) are outside every window
+    bt2 = bt.at[0, :3].set(-1).at[0, 3:6].set(kc.shape[0] + 5)
+    out = paged_attention(q, kc, vc, bt2, sl, cu, max_query_len=8, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+
+
+def test_ragged_keys_outside_the_window_hold_nan(rng):
+    """NaN in the pages a window leaves behind (still named by the table): the outputs do not change."""
+    args = _ragged_inputs(rng, requests=[(17, 64), (1, 40)])
+    q, kc, vc, bt, sl, cu = args
+    kw = dict(window_size=(7, -1), config=DecodeConfig(block_n=16, block_q=4))
+    clean = paged_attention(*args, max_query_len=17, **kw)
+    # request 0's first query sits at 64 and sees keys from 57 on: its pages 0..6 (keys 0..55) lie before it
+    pages, edge = np.asarray(bt)[0, :7], int(bt[0, 7])  # and key 56, the first slot of page 7
+    kc2, vc2 = (x.at[pages].set(jnp.nan).at[edge, 0].set(jnp.nan) for x in (kc, vc))
+    out = paged_attention(q, kc2, vc2, bt, sl, cu, max_query_len=17, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))

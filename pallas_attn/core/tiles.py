@@ -109,7 +109,7 @@ def dot_precision(dtype):
 
 def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, kv_head, *, cols: Cols,
                   block_n: int, block_size: int, num_kv_heads: int, num_pages: int, scale: float, dot,
-                  mods: masks.ScoreMods = masks.NO_MODS, slope2=None):
+                  mods: masks.ScoreMods = masks.NO_MODS, slope2=None, kv_first=None):
     """The per-KV-tile step shared by paged decode and ragged paged attention (``mods``: window, soft-cap and
     ALiBi on absolute positions; ``slope2 [M]`` the rows' ALiBi slopes in base 2).
 
@@ -118,21 +118,28 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
     build no mask at all: the kernels send tiles here only for a request whose pages are all in the pool
     (:func:`pallas_attn.core.metadata.pages_in_pool`). Masked tiles mask loads past ``kv_len`` (the table is not
     read there) and apply ``key_pos <= query_pos`` (a full rectangle plus a bottom-right triangle), and keys on a
-    page id outside the pool are never loaded and score ``-inf``.
+    page id outside the pool are never loaded and score ``-inf``. ``kv_first``: with a left window, the first key
+    any row of the tile sees; masked tiles neither read the table nor load keys below it (those slots, or whole
+    pages, may be freed and hold anything).
     """
     def step(j, state, masked):
         k_pos = j * block_n + jnp.arange(block_n)  # [N]
-        k_valid = (k_pos < kv_len) if masked else None
+        if not masked:
+            rows, _ = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, num_pages,
+                                 guard=False)
+            k, v = load_rows(k_ref, rows, cols), load_rows(v_ref, rows, cols)  # [N, Dp]
+            return softmax.online_softmax_step(state, mods.scores(dot(q, k.T), scale, q_pos, k_pos, slope2), v, dot)
+        k_valid = k_pos < kv_len if kv_first is None else (k_pos < kv_len) & (k_pos >= kv_first)
         rows, page_ok = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, num_pages,
-                                   k_valid, guard=masked)
-        ok = k_valid & page_ok if masked else None  # [N]
-        k = load_rows(k_ref, rows, cols, ok)  # [N, Dp]
-        v = load_rows(v_ref, rows, cols, ok)  # [N, Dp]
+                                   k_valid)
+        ok = k_valid & page_ok  # [N]
+        k, v = load_rows(k_ref, rows, cols, ok), load_rows(v_ref, rows, cols, ok)  # [N, Dp]
         s2 = mods.scores(dot(q, k.T), scale, q_pos, k_pos, slope2)  # [M, N] base 2
-        if masked:
-            visible = masks.causal_mask(q_pos, k_pos, kv_len) & page_ok[None, :]
-            window = mods.window_mask(q_pos, k_pos)
-            s2 = jnp.where(visible if window is None else visible & window, s2, -jnp.inf)
+        # A key past the request, before every row's window or on a page outside the pool moves past every query:
+        # one [M, N] compare is the whole causal, length and page mask (every valid row sits below kv_len).
+        visible = jnp.where(ok, k_pos, jnp.iinfo(jnp.int32).max)[None, :] <= q_pos[:, None]
+        window = mods.window_mask(q_pos, k_pos)
+        s2 = jnp.where(visible if window is None else visible & window, s2, -jnp.inf)
         return softmax.online_softmax_step(state, s2, v, dot)
 
     return step

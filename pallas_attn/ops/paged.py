@@ -11,7 +11,7 @@ import functools
 import jax
 from jax.experimental import pallas as pl
 
-from pallas_attn.core import backend, config as config_lib, metadata, validation
+from pallas_attn.core import backend, config as config_lib, masks, metadata, validation
 from pallas_attn.kernels.triton import paged as triton_paged
 from pallas_attn.ops import common
 
@@ -29,14 +29,17 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens):
                            "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
 
 
-@common.front(arrays=("q", "k_cache", "v_cache"), int_arrays=("block_tables", "seq_lens", "cu_query_lens"),
+@common.front(arrays=("q", "k_cache", "v_cache", "alibi_slopes", "sinks"),
+              int_arrays=("block_tables", "seq_lens", "cu_query_lens"),
               statics=dict(max_query_len=validation.check_static_int, softmax_scale=validation.check_softmax_scale,
+                           window_size=validation.check_window_size, softcap=validation.check_softcap,
                            num_splits=_OPTIONAL_INT, split_size=_OPTIONAL_INT,
                            return_lse=validation.check_static_bool, interpret=_OPTIONAL_BOOL))
-@functools.partial(jax.jit, static_argnames=("max_query_len", "softmax_scale", "num_splits", "split_size",
-                                             "return_lse", "interpret", "config", "chunk_config"))
+@functools.partial(jax.jit, static_argnames=("max_query_len", "softmax_scale", "window_size", "softcap", "num_splits",
+                                             "split_size", "return_lse", "interpret", "config", "chunk_config"))
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len: int,
-                    softmax_scale: float | None = None, num_splits: int | None = None, split_size: int | None = None,
+                    softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes=None, sinks=None, num_splits: int | None = None, split_size: int | None = None,
                     return_lse: bool = False, interpret: bool | None = None,
                     config: config_lib.DecodeConfig | None = None, chunk_config: config_lib.DecodeConfig | None = None):
     """Mixed batch of decode / verification / chunked-prefill / prefill requests over a paged K/V cache.
@@ -51,6 +54,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       cu_query_lens: ``i32[num_seqs + 1]`` cumulative new-token counts (``q_len`` may be 0).
       max_query_len: static Python int >= 1 bounding ``q_len`` (bucketed); picks the query block size.
       softmax_scale: None (``1/sqrt(head_dim)``) or a finite Python float > 0.
+      window_size, softcap, alibi_slopes, sinks: as :func:`pallas_attn.varlen_attention`, on absolute positions
+        (query ``i`` of a request sits at ``seq_lens[b] - q_len + i``). With a left window a query block reads and
+        splits only its window's keys, and pages wholly before its first query's window may already be freed
+        (their table entries are never read). Sinks are applied once per row, after any split-KV merge.
       num_splits / split_size: split-KV as in :func:`pallas_attn.paged_decode_attention`, for any ``q_len``.
       return_lse: also return ``f32[num_tokens, num_q_heads]``.
       interpret: None → compiled on GPU, interpreted on CPU.
@@ -71,6 +78,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       ...                       max_query_len=md.max_query_len)
     """
     _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens)
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            validation.check_head_vector(name, x, q.shape[1])
+    mods = masks.ScoreMods(*window_size, softcap, alibi_slopes is not None, sinks is not None)
     cu_query_lens = metadata.clamp_cu(cu_query_lens, q.shape[0])  # whatever it holds, requests stay disjoint
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     chunk_cfg = chunk_config or config_lib.default_chunk_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
@@ -84,24 +95,26 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
                          f"chunk_config.block_n={chunk_cfg.block_n}) when max_query_len={max_query_len} > "
                          f"{triton_paged.SHORT_QUERY_LEN}; pass a larger split_size or a chunk_config with a smaller "
                          f"block_n")
-    capacity = block_tables.shape[1] * k_cache.shape[1]
+    keys = block_tables.shape[1] * k_cache.shape[1]  # the most keys a query block reads: the table, or the window
+    if mods.window_left >= 0:  # a window straddles one more tile
+        keys = min(keys, mods.window_left + max_query_len + max(cfg.block_n, chunk_cfg.block_n))
     short_splits = None
     if two_pass and num_splits is None and split_size is None:
         short_splits, chunk_splits = triton_paged.launch_splits(q.shape, q.dtype.itemsize, k_cache.shape,
-                                                                block_tables.shape, max_query_len, cfg, chunk_cfg)
+                                                                block_tables.shape, max_query_len, cfg, chunk_cfg, keys)
     if short_splits is not None and chunk_splits == 1:
         splits = 1
     else:  # one launch, a split size given, or chunks that split: one split plan for every row
         short_splits = None
         work_blocks = max(block_tables.shape[0], pl.cdiv(q.shape[0], block_q))
-        splits, split_size = config_lib.resolve_splits(work_blocks * k_cache.shape[2], capacity, split_block_n,
+        splits, split_size = config_lib.resolve_splits(work_blocks * k_cache.shape[2], keys, split_block_n,
                                                        num_splits, split_size)
     if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_cache.shape[0]):
         return common.no_rows(*q.shape, q.dtype, return_lse)  # no token, request or page: no key, no kernel
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     run = functools.partial(triton_paged.ragged_paged_triton, max_query_len=max_query_len, scale=float(scale),
                             num_splits=splits, split_size=split_size, interpret=backend.resolve_interpret(interpret),
-                            cfg=cfg, chunk_cfg=chunk_cfg, short_splits=short_splits)
+                            cfg=cfg, chunk_cfg=chunk_cfg, short_splits=short_splits, mods=mods)
     out, lse = common.no_backward("paged_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,
-                                                          cu_query_lens)
+                                                          cu_query_lens, alibi_slopes, sinks)
     return (out, lse) if return_lse else out

@@ -79,7 +79,8 @@ def _decode_kernel(
                                block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
                                num_pages=num_pages, scale=scale, dot=dot, mods=mods,
                                slope2=tiles.load_vector(slopes_ref, q_rows % num_q_heads, row_valid) * softmax.LOG2E
-                               if mods.alibi else None)
+                               if mods.alibi else None,
+                               kv_first=jnp.maximum(ctx - 1 - mods.window_left, 0) if mods.window_left >= 0 else None)
     state = softmax.kv_loop(softmax.init_state(rows, q_ref.shape[-1]), tile_start, full_end, kv_end, step,
                             full_start)
     # an empty split (or context 0) gives 0 and -inf; split partials leave the sink to the merge

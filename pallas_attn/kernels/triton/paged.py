@@ -71,7 +71,7 @@ def two_launches(max_query_len: int, cfg: config_lib.DecodeConfig) -> bool:
 
 def launch_splits(q_shape, dtype_bytes: int, cache_shape, table_shape, max_query_len: int,
                   cfg: config_lib.DecodeConfig,
-                  chunk_cfg: config_lib.DecodeConfig) -> tuple[tuple[int, int | None], int]:
+                  chunk_cfg: config_lib.DecodeConfig, keys: int | None = None) -> tuple[tuple[int, int | None], int]:
     """Split-KV heuristics per launch of a two-launch batch: ``((num_splits, split_size) of the short queries,
     num_splits of the chunks)``.
 
@@ -79,12 +79,13 @@ def launch_splits(q_shape, dtype_bytes: int, cache_shape, table_shape, max_query
     request and KV head (a short request is one query block), tail-balancing included. Chunks are compute-bound:
     they split only when their programs cannot fill the GPU (:func:`~pallas_attn.core.config.choose_num_splits`), never
     for tail balance (their partial states would cost a write and a read of every chunk row). Counting all of a
-    mixed batch's tokens as one launch's programs — M1 counts 2,152 — would leave its decodes unsplit.
+    mixed batch's tokens as one launch's programs — M1 counts 2,152 — would leave its decodes unsplit. ``keys``:
+    the most keys a query block reads (a window's), default the table's capacity.
     """
     num_tokens, num_q_heads, head_dim = q_shape
     _, block_size, num_kv_heads, _ = cache_shape
     num_seqs, max_blocks = table_shape
-    capacity = max_blocks * block_size
+    capacity = max_blocks * block_size if keys is None else keys
     short = config_lib.resolve_splits(num_seqs * num_kv_heads, capacity, cfg.block_n, None, None)
     long_q = chunk_block_tokens(max_query_len, config_lib.next_pow2(num_q_heads // num_kv_heads), chunk_cfg, head_dim,
                                 dtype_bytes)
@@ -122,17 +123,22 @@ def _ragged_kernel(
     q_ref,  # [T * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
-    *refs,  # [merge inputs], [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o, lse
+    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), [merge inputs],
+    #         [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o, lse
     zero_padding: bool, compact: bool, merge: tuple | None, num_seqs: int, num_tokens: int, num_q_heads: int,
     num_kv_heads: int, head_dim: int, group_padded: int, block_q: int, max_blocks: int, block_size: int,
-    block_n: int, num_splits: int, split_size: int | None, scale: float, precision,
+    block_n: int, num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, precision,
 ):
     """``compact``: write f32 partial states tile by tile into ``[num_splits, num_q_blocks, Hkv, M, Dp]`` (a later
     launch merges them) instead of token rows. ``merge = (merge_blocks, merge_block_q, merge_splits)``: program
     ``(i, h)`` also merges the compact partials of the earlier launch's query block ``i``, head ``h``, into the
     output rows (axis 0 is ``max(num_q_blocks, merge_blocks)`` long: the programs that exist anyway; separate merge
     programs measured the same on M1). The merge inputs are that launch's ``block_req, block_first`` and its partial
-    ``o, lse``."""
+    ``o, lse``. Sinks join the denominator where a row's state is complete: here when the launch is unsplit, in
+    the merge of compact partials, or in :func:`~pallas_attn.core.softmax.merge_split_outputs`."""
+    refs = list(refs)
+    slopes_ref = refs.pop(0) if mods.alibi else None
+    sinks_ref = refs.pop(0) if mods.sinks else None
     o_ref, lse_ref = refs[-2:]  # [T * Hq, Dp] or [num_splits * T * Hq, Dp] (f32 partials); f32[...] LSE
     p, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_q_blocks = block_req_ref.shape[0]
@@ -145,13 +151,14 @@ def _ragged_kernel(
     req = block_req_ref[jnp.minimum(p, num_q_blocks - 1)]
     # Masked rows get distinct out-of-range indices (see tiles.store_rows).
     oob = num_tokens * num_q_heads + r
+    head_vector = lambda ref: tiles.load_vector(ref, kv_head * group + g, g < group) * softmax.LOG2E  # noqa: E731
 
     if merge is not None:
         @pl.when(p < merge[0])
         def _merge():
             _merge_partials(p, kv_head, cu_query_lens_ref, *refs[:4], o_ref, lse_ref, cols=cols,
                             merge=merge, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                            group_padded=group_padded)
+                            group_padded=group_padded, sinks_ref=sinks_ref)
 
     @pl.when((req >= 0) & (p < num_q_blocks))
     def _attend():
@@ -166,17 +173,36 @@ def _ragged_kernel(
         q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [M, Dp]
         q_pos = context + tok  # absolute positions: the rectangle + triangle of verification
         q_last = context + jnp.minimum(first + block_q, q_len) - 1
-        tile_start, tile_end = tiles.split_tile_range(split, num_splits, seq_len, block_n, split_size)
-        full_end, kv_end = masks.kv_tile_ranges(context + first, q_last, seq_len, block_n, tile_start=tile_start,
-                                                tile_end=tile_end)
+        # a left window: tiles before the block's first row's window are never loaded, and the splits share out
+        # only the tiles from there on
+        first_tile = (jnp.maximum(context + first - mods.window_left, 0) // block_n if mods.window_left >= 0
+                      else 0)
+        tile_start, tile_end = tiles.split_tile_range(split, num_splits, seq_len, block_n, split_size, first_tile)
+        full_start = None
+        if mods.windowed:
+            tile_start, full_start, full_end, kv_end = masks.window_tile_ranges(
+                context + first, q_last, seq_len, block_n, (mods.window_left, mods.window_right),
+                tile_start=tile_start, tile_end=tile_end)
+        else:
+            full_end, kv_end = masks.kv_tile_ranges(context + first, q_last, seq_len, block_n, tile_start=tile_start,
+                                                    tile_end=tile_end)
         num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
-        full_end = jnp.where(pages_ok_ref[req] != 0, full_end, tile_start)  # a page outside the pool: all guarded
+        guarded = pages_ok_ref[req] == 0  # a page outside the pool: every tile guarded
+        full_end = jnp.where(guarded, tile_start, full_end)
+        if full_start is not None:
+            full_start = jnp.where(guarded, tile_start, full_start)
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, req * max_blocks, seq_len, kv_head,
                                    cols=cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
-                                   num_pages=num_pages, scale=scale, dot=dot)
-        state = softmax.kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end, step)
-        out, lse = softmax.finalize(state)
+                                   num_pages=num_pages, scale=scale, dot=dot, mods=mods,
+                                   slope2=head_vector(slopes_ref) if mods.alibi else None,
+                                   kv_first=(jnp.maximum(context + first - mods.window_left, 0)
+                                             if mods.window_left >= 0 else None))
+        state = softmax.kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end, step,
+                                full_start)
+        # split partials (compact or not) leave the sink to their merge
+        sink2 = head_vector(sinks_ref) if mods.sinks and num_splits == 1 else None
+        out, lse = softmax.finalize(state, sink2)
         if compact:  # the whole tile, invalid rows included: the merge reads only valid ones
             rows = ((split * num_q_blocks + p) * num_kv_heads + kv_head) * r.shape[0] + r
             tiles.store_rows(o_ref, rows, cols, out)
@@ -212,9 +238,10 @@ def _ragged_kernel(
 
 def _merge_partials(i, kv_head, cu_query_lens_ref, block_req_ref, block_first_ref, part_o_ref, part_lse_ref,
                     o_ref, lse_ref, *, cols, merge: tuple, num_tokens: int, num_q_heads: int, num_kv_heads: int,
-                    group_padded: int):
+                    group_padded: int, sinks_ref=None):
     """Merge the ``merge_splits`` compact partial states of query block ``i`` (of the launch that wrote them) into
-    its output rows: the split-KV reduction for the rows of one launch, run by programs of the next one."""
+    its output rows: the split-KV reduction for the rows of one launch, run by programs of the next one. Sinks
+    (``sinks_ref f32[Hq]``) join the merged rows' denominators, once."""
     merge_blocks, block_q, num_splits = merge
     req = block_req_ref[i]
     r = jnp.arange(block_q * group_padded)
@@ -232,14 +259,17 @@ def _merge_partials(i, kv_head, cu_query_lens_ref, block_req_ref, block_first_re
             num_splits, lambda s: tiles.load_vector(part_lse_ref, tile(s)),
             lambda s: tiles.load_rows(part_o_ref, tile(s), cols), r.shape, (r.shape[0], part_o_ref.shape[-1]),
             loop=lambda n, body, init: jax.lax.fori_loop(0, n, body, init))
+        if sinks_ref is not None:
+            out = softmax.apply_sink(out, lse, tiles.load_vector(sinks_ref, kv_head * group + g, g < group))
         tiles.store_rows(o_ref, rows, cols, out, row_valid)
         tiles.store_vector(lse_ref, rows, lse, row_valid)
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len, scale, num_splits,
-                 split_size, interpret, cfg: config_lib.DecodeConfig, chunk_cfg: config_lib.DecodeConfig,
-                 short_splits: tuple[int, int | None] | None = None, short_rows: int = SHORT_TILE_ROWS):
+def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes=None, sinks=None, *,
+                        max_query_len, scale, num_splits, split_size, interpret, cfg: config_lib.DecodeConfig,
+                        chunk_cfg: config_lib.DecodeConfig, short_splits: tuple[int, int | None] | None = None,
+                        short_rows: int = SHORT_TILE_ROWS, mods: masks.ScoreMods = masks.NO_MODS):
     """One launch when every query is short (decode / verification) or ``config.block_q`` is fixed; otherwise two
     launches into one output — short queries in small tiles under ``cfg``, prefill chunks in prefill-sized tiles
     under ``chunk_cfg`` — so decode rows do not pay for 128-row tiles and chunks do not run at decode intensity.
@@ -247,7 +277,8 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
 
     ``short_splits = (num_splits, split_size)`` (two launches, the chunks unsplit: ``num_splits == 1``) splits the
     short queries' launch on its own: it writes compact partial states and the chunk launch's programs merge them
-    into the output rows, so the chunk rows never go through a split buffer or the merge."""
+    into the output rows, so the chunk rows never go through a split buffer or the merge. ``alibi_slopes`` /
+    ``sinks`` ``f32[Hq]`` exactly when ``mods`` says."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
@@ -270,9 +301,12 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
 
     full = lambda n, w=padded: pl.BlockSpec((n, w), lambda *_: (0, 0))  # noqa: E731
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))  # noqa: E731
-    args = (cu_query_lens, seq_lens, metadata.pages_in_pool(block_tables, seq_lens, block_size, num_blocks),
-            block_tables.reshape(-1), q.reshape(-1, head_dim),
-            k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
+    q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
+    features = [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None]
+    args = (cu_query_lens, seq_lens,
+            metadata.pages_in_pool(block_tables, seq_lens, block_size, num_blocks, mods.window_left, q_lens),
+            block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
+            v_cache.reshape(-1, head_dim), *features)
     prev, merge_in = (), None  # the last launch's token-row outputs; compact partials awaiting their merge
     for block_q, num_q_blocks, query_class, pass_cfg, (splits, size), compact in passes:
         rows_per_tile = block_q * group_padded
@@ -282,6 +316,7 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
         merge = None
         in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs), vec(num_seqs),
                     vec(num_seqs * max_blocks), full(num_tokens * num_q_heads), full(cache_rows), full(cache_rows)]
+        in_specs += [vec(num_q_heads)] * len(features)
         extra = []
         if merge_in is not None:
             m_req, m_first, m_o, m_lse, merge = merge_in
@@ -293,7 +328,7 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
             _ragged_kernel, zero_padding=not compact and not prev, compact=compact, merge=merge, num_seqs=num_seqs,
             num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             group_padded=group_padded, block_q=block_q, max_blocks=max_blocks, block_size=block_size,
-            block_n=pass_cfg.block_n, num_splits=splits, split_size=size, scale=scale,
+            block_n=pass_cfg.block_n, num_splits=splits, split_size=size, scale=scale, mods=mods,
             precision=tiles.dot_precision(q.dtype))
         outs = pl.pallas_call(
             kernel,
@@ -313,4 +348,4 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
         else:
             prev = tuple(outs)
     out, lse = prev
-    return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype)
+    return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype, sinks if num_splits > 1 else None)

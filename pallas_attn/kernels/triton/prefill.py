@@ -111,7 +111,13 @@ def _prefill_kernel(
             def step(j, state, masked):
                 k_pos = j * block_n + jnp.arange(block_n)  # [N]
                 kv_rows = (seq_start + k_pos) * num_kv_heads + kv_head
-                k_valid = (k_pos < seq_len) if masked else None
+                k_valid = None
+                if masked:  # keys outside every row's window are not loaded either: they may hold anything
+                    k_valid = k_pos < seq_len
+                    if mods.window_left >= 0:
+                        k_valid &= k_pos >= m * block_q - mods.window_left
+                    if mods.window_right >= 0:
+                        k_valid &= k_pos <= q_last + mods.window_right
                 k = tiles.load_rows(k_ref, kv_rows, cols, k_valid)  # [N, Dp]
                 v = tiles.load_rows(v_ref, kv_rows, cols, k_valid)  # [N, Dp]
                 s2 = mods.scores(dot(q, k.T), scale, local_tok, k_pos, slope2)  # [M, N] base-2 scores
