@@ -249,7 +249,8 @@ _SPECS: dict[Callable, _Spec] = {
                                 lambda a: sparse_ops._validate(*(a[k] for k in (
                                     "q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens", "seq_lens",
                                     "kv_lora_rank"))),
-                                ("q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens", "seq_lens")),
+                                ("q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens", "seq_lens",
+                                 "sinks")),
 }
 
 

@@ -69,7 +69,8 @@ def _sparse(rng):
     topk[2, :4] = [6, 0, 5, 1]
     topk[3] = 999  # token 3 is padding (past cu_query_lens[-1]): never read, never checked
     return (sparse_mla_attention, dict(q=q, kv_cache=kv, block_tables=bt, topk_indices=jnp.asarray(topk),
-                                       cu_query_lens=jnp.array([0, 2, 3], jnp.int32)),
+                                       cu_query_lens=jnp.array([0, 2, 3], jnp.int32),
+                                       sinks=jnp.asarray(rng.standard_normal(4), jnp.float32)),
             dict(kv_lora_rank=64, config=SPARSE))
 
 

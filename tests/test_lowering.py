@@ -63,8 +63,14 @@ def test_paged_ragged(tokens, seqs, max_query_len, max_blocks):
     assert _pallas_calls(text) >= (1 if max_query_len <= 16 else 2)
 
 
-def test_sparse_s1():
-    fn = functools.partial(sparse_mla_attention, return_lse=True, interpret=False)
+@pytest.mark.parametrize("backend, sinks", [(None, False), ("triton", True), ("mosaic", True)])
+def test_sparse_s1(backend, sinks):
+    def fn(q, kv_cache, block_tables, topk_indices, *sink):  # sinks f32[num_heads]: read at the finalization
+        return sparse_mla_attention(q, kv_cache, block_tables, topk_indices, sinks=sink[0] if sink else None,
+                                    return_lse=True, interpret=False, backend=backend)
+
     text = _lower(fn, S((64, 128, 576), BF16), S((64 * 512, 64, 576), BF16), S((64, 512), I32),
-                  S((64, 2048), I32))
+                  S((64, 2048), I32), *([S((128,), jnp.float32)] if sinks else []))
     assert _pallas_calls(text) >= 1
+    if backend == "mosaic":
+        assert "mosaic_gpu" in text

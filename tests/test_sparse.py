@@ -1,5 +1,5 @@
 """sparse_mla_attention against the reference: -1 padding, all -1 rows, duplicates, last partial pages, poison in
-unowned slots, several tokens per request."""
+unowned slots, several tokens per request, attention sinks."""
 
 from __future__ import annotations
 
@@ -36,10 +36,11 @@ SCENARIOS = {
 }
 
 
-def _check_against_reference(rng, seq_lens, per, heads, dqk, dv, bs, topk, dtype, **kwargs):
+def _check_against_reference(rng, seq_lens, per, heads, dqk, dv, bs, topk, dtype, sinks=None, **kwargs):
     """Random top-k sets (-1 at random places, duplicates, the last partial page; row 0 all -1) over a cache with
     NaN in every slot no request owns; with ``per`` (tokens per request) two padding tokens with NaN queries and
-    garbage indices. Output, LSE, the empty row and the padding rows against the reference."""
+    garbage indices. Output, LSE, the empty row and the padding rows against the reference, with ``sinks``
+    (``f32[heads]``) given to both."""
     kv, _, bt = make_paged_kv(rng, seq_lens, bs, None, dqk, dtype)
     tokens = per or [1] * len(seq_lens)
     idx = _topk(rng, seq_lens, tokens, topk)
@@ -51,13 +52,14 @@ def _check_against_reference(rng, seq_lens, per, heads, dqk, dv, bs, topk, dtype
     q[: t - pad] = rng.standard_normal((t - pad, heads, dqk))
     q = jnp.asarray(q, dtype)
     cu = None if per is None else jnp.asarray(np.concatenate([[0], np.cumsum(per)]), jnp.int32)
-    out, lse = sparse_mla_attention(q, kv, bt, jnp.asarray(idx), cu_query_lens=cu, kv_lora_rank=dv,
+    out, lse = sparse_mla_attention(q, kv, bt, jnp.asarray(idx), cu_query_lens=cu, kv_lora_rank=dv, sinks=sinks,
                                     return_lse=True, **kwargs)
     ref_out, ref_lse = reference.sparse_mla_attention(q, kv, bt, jnp.asarray(idx), cu_query_lens=cu,
-                                                      kv_lora_rank=dv, return_lse=True)
+                                                      kv_lora_rank=dv, sinks=sinks, return_lse=True)
     n = t - pad
     assert out.shape == (t, heads, dv) and out.dtype == q.dtype
     assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)[:n]), np.isneginf(np.asarray(ref_lse)[:n]))
     fin = np.isfinite(np.asarray(ref_lse)[:n])
     np.testing.assert_allclose(np.asarray(lse)[:n][fin], np.asarray(ref_lse)[:n][fin], rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(out, np.float32)[0] == 0) and np.all(np.asarray(lse)[0] == -np.inf)
@@ -69,10 +71,60 @@ def test_matches_reference(name, rng):
     _check_against_reference(rng, *SCENARIOS[name], config=SMALL)
 
 
+# Attention sinks (docs/design.md#model-family-features): each row's denominator gets exp(sink_h), the LSE stays over
+# the keys, a row with no key stays 0 / -inf. The sinks' regimes: far below every score (no effect), about the
+# scores, far above them (the output shrinks towards 0, its limit).
+SINK_REGIMES = {
+    "very_negative": lambda rng, h: np.full(h, -30.0),
+    "moderate": lambda rng, h: rng.standard_normal(h),
+    "very_positive": lambda rng, h: np.full(h, 30.0),
+}
+# name: as SCENARIOS (many query heads share the one latent head, each with its own sink)
+SINK_SCENARIOS = {
+    "decode_f32_20_heads": ([25, 40, 9], None, 20, 80, 64, 8, 40, jnp.float32),  # head blocks of 16: one partial
+    "multi_token_576_bf16": SCENARIOS["multi_token_576"],
+}
+
+
+def _sinks(rng, regime, heads):
+    return jnp.asarray(SINK_REGIMES[regime](rng, heads), jnp.float32)
+
+
+@pytest.mark.parametrize("regime", SINK_REGIMES)
+@pytest.mark.parametrize("name", SINK_SCENARIOS)
+def test_sinks_match_reference(name, regime, rng):
+    scenario = SINK_SCENARIOS[name]
+    _check_against_reference(rng, *scenario, sinks=_sinks(rng, regime, scenario[2]), config=SMALL)
+
+
+def test_sinks_with_value_splits(rng):
+    """Value-split programs each finalize the whole row: each applies the sink to its columns."""
+    _check_against_reference(rng, *SCENARIOS["multi_token_576"], sinks=_sinks(rng, "moderate", 8),
+                             config=SparseConfig(block_n=16, block_h=16, num_warps=4, value_splits=4))
+
+
+def test_sinks_leave_the_lse_and_shrink_the_output(rng):
+    """The LSE with sinks is the LSE without them, bit for bit; each row's output is the sink-free one scaled by
+    1 / (1 + exp(sink_h - lse))."""
+    kv, _, bt = make_paged_kv(rng, [30, 7, 64], 4, None, 80, jnp.float32)
+    idx = jnp.asarray(_topk(rng, [30, 7, 64], [1, 1, 1], 24))
+    q = jnp.asarray(rng.standard_normal((3, 4, 80)), jnp.float32)
+    sinks = _sinks(rng, "moderate", 4)
+    kw = dict(kv_lora_rank=64, return_lse=True, config=SMALL)
+    out, lse = sparse_mla_attention(q, kv, bt, idx, **kw)
+    out_s, lse_s = sparse_mla_attention(q, kv, bt, idx, sinks=sinks, **kw)
+    np.testing.assert_array_equal(np.asarray(lse_s), np.asarray(lse))
+    want = np.asarray(out) / (1.0 + np.exp(np.asarray(sinks)[None, :] - np.asarray(lse)))[..., None]
+    assert_attention_close(out_s, want)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(rank=100), "kv_lora_rank=100"),
     (dict(idx_rows=3), "topk_indices must be"),
     (dict(cu=jnp.array([0, 2], jnp.int32)), "cu_query_lens must be"),
+    (dict(sinks=jnp.zeros(3)), "sinks"),
+    (dict(sinks=jnp.zeros((4, 1))), "sinks"),
+    (dict(sinks=jnp.zeros(4, jnp.int32)), "sinks"),
 ])
 def test_bad_input_raises(kw, match):
     q = jnp.ones((2, 4, 80), jnp.float32)
@@ -80,7 +132,8 @@ def test_bad_input_raises(kw, match):
     bt = jnp.zeros((2, 2), jnp.int32)
     idx = jnp.zeros((kw.get("idx_rows", 2), 16), jnp.int32)
     with pytest.raises((ValueError, TypeError), match=match):
-        sparse_mla_attention(q, kv, bt, idx, cu_query_lens=kw.get("cu"), kv_lora_rank=kw.get("rank", 64))
+        sparse_mla_attention(q, kv, bt, idx, cu_query_lens=kw.get("cu"), kv_lora_rank=kw.get("rank", 64),
+                             sinks=kw.get("sinks"))
 
 
 @pytest.mark.gpu
@@ -128,6 +181,19 @@ def test_mosaic_matches_reference(name, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("regime", SINK_REGIMES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mosaic_sinks_match_reference(monkeypatch, rng, splits, regime):
+    """Sinks in the compiled Mosaic kernel: in the kernel for one program per (token, 64 heads), once after the
+    merge for a list shared by 4 programs (token 0 sees nothing: 0 and -inf whatever its sink)."""
+    from pallas_attn.kernels.mosaic import sparse_mla as sparse_mosaic
+
+    monkeypatch.setattr(sparse_mosaic, "default_splits", lambda *args: splits)
+    _check_against_reference(rng, [5000, 300, 3000], None, 128, 576, 512, 64, 512, jnp.bfloat16,
+                             sinks=_sinks(rng, regime, 128), backend="mosaic")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["mosaic", "triton"])
 def test_corrupt_indices_and_pages_are_ignored_compiled(rng, backend):
     """Indices past ``seq_lens`` inside an owned page (unwritten, NaN slots), past the table row, below -1, and on
@@ -161,12 +227,14 @@ def test_mosaic_split_matches_reference(monkeypatch, rng):
     _check_against_reference(rng, [5000, 3000], None, 128, 576, 512, 64, 512, jnp.bfloat16, backend="mosaic")
 
 
-@pytest.mark.parametrize("heads, topk, block_size, splits", [
-    (128, 2048, 64, None), (64, 100, 16, None), (64, 64, 1, None), (64, 4096, 64, 1), (128, 2048, 64, 8)])
-def test_mosaic_lowers_for_cuda(heads, topk, block_size, splits):
+@pytest.mark.parametrize("heads, topk, block_size, splits, sinks", [
+    (128, 2048, 64, None, False), (64, 100, 16, None, False), (64, 64, 1, None, False), (64, 4096, 64, 1, False),
+    (128, 2048, 64, 8, False), (128, 2048, 64, 1, True), (64, 1024, 64, 4, True)])
+def test_mosaic_lowers_for_cuda(heads, topk, block_size, splits, sinks):
     """The compiled path's lowering (cp.async gather, wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked
     without a GPU: shared memory fits (q 72 KB + two 72 KB slots + the ring of resolved rows), the inlined gather
-    lowers, any top-k (the rows are resolved a tile at a time)."""
+    lowers, any top-k (the rows are resolved a tile at a time); sinks loaded in the kernel, or merged after
+    splits."""
     import jax
 
     from pallas_attn.kernels.mosaic import sparse_mla as sparse_mosaic
@@ -174,10 +242,11 @@ def test_mosaic_lowers_for_cuda(heads, topk, block_size, splits):
     S = jax.ShapeDtypeStruct
     topk_p = -(-topk // sparse_mosaic.BLOCK_N) * sparse_mosaic.BLOCK_N
     args = (S((3, heads, 576), jnp.bfloat16), S((40, block_size, 576), jnp.bfloat16), S((3, 40), jnp.int32),
-            S((3, topk_p), jnp.int32), S((3,), jnp.int32), S((3,), jnp.int32))
+            S((3, topk_p), jnp.int32), S((3,), jnp.int32), S((3,), jnp.int32)) + ((S((heads,), jnp.float32),)
+                                                                                  if sinks else ())
 
-    def f(q, kv, bt, ti, tr, tk):
-        return sparse_mosaic.sparse_mla_mosaic(q, kv, bt, ti, tr, tk, kv_lora_rank=512, scale=0.04,
+    def f(q, kv, bt, ti, tr, tk, *sk):
+        return sparse_mosaic.sparse_mla_mosaic(q, kv, bt, ti, tr, tk, *sk, kv_lora_rank=512, scale=0.04,
                                                num_splits=splits)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -117,10 +117,17 @@ def finalize(state, sink2=None):
     ``sink2 [M]`` (attention sinks in base 2): each row's denominator gets ``2**sink2`` with no value; the LSE
     stays over the keys only, so split states still merge (the merge applies the sink once)."""
     acc, m, l = state
+    return normalize(acc, with_sink(m, l, sink2)), log_sum_exp(m, l)
+
+
+def with_sink(m, l, sink2=None):
+    """A row's denominator ``l [M]`` with ``2**sink2 [M]`` added on the state's scale (``2**-m``, ``m`` the base-2
+    running max); ``l`` itself where ``sink2`` is None. A row with no key (``m = -inf``) adds ``2**sink2``: its
+    accumulator is 0, so its output stays 0."""
     if sink2 is None:
-        return normalize(acc, l), log_sum_exp(m, l)
+        return l
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    return normalize(acc, l + jnp.exp2(sink2 - m_safe)), log_sum_exp(m, l)
+    return l + jnp.exp2(sink2 - m_safe)
 
 
 def merge_split_outputs(out, lse, num_splits: int, shape: tuple, dtype, sinks=None):

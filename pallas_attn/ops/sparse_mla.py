@@ -73,14 +73,15 @@ def default_backend(q, kv_lora_rank: int, interpret: bool) -> str:
     return "mosaic" if mosaic_sparse.supported(q, kv_lora_rank) is None else "triton"
 
 
-@common.front(arrays=("q", "kv_cache"), int_arrays=("block_tables", "topk_indices", "cu_query_lens", "seq_lens"),
+@common.front(arrays=("q", "kv_cache", "sinks"),
+              int_arrays=("block_tables", "topk_indices", "cu_query_lens", "seq_lens"),
               statics=dict(kv_lora_rank=validation.check_static_int, softmax_scale=validation.check_softmax_scale,
                            return_lse=validation.check_static_bool, interpret=_OPTIONAL_BOOL))
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "softmax_scale", "return_lse", "interpret", "config",
                                              "backend"))
 def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_lens=None, seq_lens=None,
-                         kv_lora_rank: int = 512,
-                         softmax_scale: float | None = None, return_lse: bool = False,
+                         kv_lora_rank: int = 512, softmax_scale: float | None = None, sinks=None,
+                         return_lse: bool = False,
                          interpret: bool | None = None, config: config_lib.SparseConfig | None = None,
                          backend: str | None = None):
     """Each query token attends to its own top-k positions of its request's paged latent cache.
@@ -99,6 +100,9 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
       kv_lora_rank: value dims (the first ``kv_lora_rank`` of each row); output ``[num_tokens, num_heads,
         kv_lora_rank]``.
       softmax_scale: None (``1/sqrt(q.shape[-1])``, ``1/sqrt(576)``) or a finite Python float > 0.
+      sinks: ``f32[num_heads]`` or None: attention sinks (FlashMLA's ``attn_sink``, as in
+        :func:`pallas_attn.varlen_attention`): ``exp(sink_h)`` joins each row's softmax denominator, with no value.
+        The LSE stays over the selected keys only; a row that sees no key still gives 0 and -inf.
       return_lse: also return ``f32[num_tokens, num_heads]``; a row whose indices are all -1 gives 0 and -inf.
       interpret: None → compiled on GPU, interpreted on CPU (see :mod:`pallas_attn.core.backend`).
       config: tiles / warps / stages of the Triton kernel (:class:`pallas_attn.SparseConfig`).
@@ -115,8 +119,11 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
 
     Example:
       >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices)   # decode: one token per request
+      >>> out = sparse_mla_attention(q, kv_cache, block_tables, topk_indices, sinks=jnp.zeros(q.shape[1]))
     """
     _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, seq_lens, kv_lora_rank)
+    if sinks is not None:
+        validation.check_head_vector("sinks", sinks, q.shape[1])
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
@@ -140,5 +147,5 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
         run = functools.partial(triton_sparse.sparse_mla_triton, kv_lora_rank=kv_lora_rank, scale=float(scale),
                                 interpret=interpret, cfg=config or config_lib.default_sparse_config(q.shape[1]))
     out, lse = common.no_backward("sparse_mla_attention", run)(q, kv_cache, block_tables, topk_indices, token_req,
-                                                               token_keys)
+                                                               token_keys, sinks)
     return (out, lse) if return_lse else out

@@ -24,6 +24,9 @@ where it applies), written FlashMLA-style for the backend that reaches Hopper's 
 * a small batch with a long top-k list (fewer programs than half the SMs) shares each list among several programs,
   grid ``(num_tokens, H / 64, splits)``, whose partial outputs and LSEs are merged by
   :func:`pallas_attn.merge_attention_states` (:func:`default_splits`).
+* attention sinks (``f32[H]``): a program that sees its rows' whole list adds ``exp(sink_h)`` to the denominator
+  the score warpgroup hands the value warpgroup (the LSE stays over the keys); split programs leave it to the
+  merge, which applies it once.
 
 Throughput against the Triton kernel and the matmul ceiling, and what each step above bought:
 ``docs/performance.md#sparse-mla``. How top-k positions reach pages:
@@ -226,9 +229,12 @@ def _wait_gathers():
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
-def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, o_ref, lse_ref, scoped, *,
-            block_size: int, num_pages: int, scale2: float, col_blocks: tuple[tuple[int, int], ...],
-            registers: tuple[int, int, int], split_tiles: int):
+def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *refs, block_size: int,
+            num_pages: int, scale2: float, col_blocks: tuple[tuple[int, int], ...], registers: tuple[int, int, int],
+            split_tiles: int, has_sinks: bool):
+    # refs: [sinks f32[H]] (with has_sinks), then o [splits, T, H, Dv], lse f32[splits, T, H], the scratch
+    sinks_ref = refs[0] if has_sinks else None
+    o_ref, lse_ref, scoped = refs[-3:]
     (qo, k_nope, k_rope, ring, stats), (q_bar, loaded, p_ready, consumed, l_ready) = scoped
     t = lax.axis_index("token")
     g = lax.axis_index("hblk")
@@ -297,10 +303,14 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, o
             return accs, m_i, l_i
 
         accs, m_i, l_i = lax.fori_loop(0, num_tiles, step, (zeros(score_blocks), m_i, l_i))
-        stats.at[NUM_SLOTS][...] = l_i
+        # [64]: the heads' sinks in base 2 join the denominator both warpgroups divide by, not the LSE
+        sink2 = (plgpu.load(sinks_ref.at[heads], layout=row_layout, optimized=False) * softmax.LOG2E
+                 if has_sinks else None)  # GMEM: a plain load, 64 floats
+        den = softmax.with_sink(m_i, l_i, sink2)
+        stats.at[NUM_SLOTS][...] = den
         plgpu.barrier_arrive(l_ready)  # also: the last Q Kᵀ is done, q's memory may take the outputs
         lse_smem[...] = softmax.log_sum_exp(m_i, l_i)
-        store(accs, l_i, score_blocks)
+        store(accs, den, score_blocks)
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, t, heads])
         plgpu.wait_smem_to_gmem(0)
 
@@ -376,17 +386,16 @@ def default_splits(num_programs: int, num_tiles: int, num_sms: int | None = None
                if num_tiles % d == 0 and (d == 1 or (num_programs * d <= sms and num_tiles // d >= MIN_SPLIT_TILES)))
 
 
-def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, token_keys, *, kv_lora_rank: int,
-                      scale: float,
-                      registers: tuple[int, int, int] = (240, 224, 40), score_cols: int = SCORE_COLS,
-                      num_splits: int | None = None):
+def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, token_keys, sinks=None, *,
+                      kv_lora_rank: int, scale: float, registers: tuple[int, int, int] = (240, 224, 40),
+                      score_cols: int = SCORE_COLS, num_splits: int | None = None):
     """``(out [T, H, kv_lora_rank], lse f32[T, H])``; arguments validated by
     :func:`pallas_attn.ops.sparse_mla.sparse_mla_attention` and :func:`supported`. ``topk_indices`` padded to a
-    multiple of ``BLOCK_N`` with ``-1``. ``registers``: per thread, the score, value and memory warpgroups; they share
-    the launch's 3 × 168, so the sum must stay <= 504 (more and the compute warpgroups' increase waits forever).
-    ``num_splits``: programs per (token, 64 heads), each taking an equal share of the top-k tiles (a divisor of their
-    number; None: :func:`default_splits`); their partial outputs are merged by
-    :func:`pallas_attn.merge_attention_states`."""
+    multiple of ``BLOCK_N`` with ``-1``. ``sinks``: ``f32[H]`` or None. ``registers``: per thread, the score, value
+    and memory warpgroups; they share the launch's 3 × 168, so the sum must stay <= 504 (more and the compute
+    warpgroups' increase waits forever). ``num_splits``: programs per (token, 64 heads), each taking an equal share
+    of the top-k tiles (a divisor of their number; None: :func:`default_splits`); their partial outputs are merged
+    by :func:`pallas_attn.merge_attention_states`, which then applies the sinks."""
     num_tokens, num_heads, dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     topk = topk_indices.shape[1]
@@ -412,8 +421,11 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, token_
         (plgpu.Barrier(), plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS), plgpu.Barrier(num_barriers=NUM_SLOTS),
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=NUM_SLOTS), plgpu.Barrier()),
     )
+    # one program per (token, 64 heads) sees the whole list and applies the sink; split partials leave it to the merge
+    in_kernel_sinks = [sinks.astype(jnp.float32)] if sinks is not None and num_splits == 1 else []
     body = functools.partial(_kernel, block_size=block_size, num_pages=num_blocks, scale2=scale * softmax.LOG2E,
-                             col_blocks=col_blocks, registers=registers, split_tiles=num_tiles // num_splits)
+                             col_blocks=col_blocks, registers=registers, split_tiles=num_tiles // num_splits,
+                             has_sinks=bool(in_kernel_sinks))
 
     def sparse_mla_kernel(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -425,5 +437,7 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, token_
         grid=(num_tokens, num_heads // BLOCK_H, num_splits), grid_names=("token", "hblk", "split"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(token_req, token_keys, topk_indices, block_tables, q, kv_cache.reshape(num_blocks * block_size, dim))
-    return softmax.merge_split_outputs(out, lse, num_splits, (num_tokens, num_heads, kv_lora_rank), q.dtype)
+    )(token_req, token_keys, topk_indices, block_tables, q, kv_cache.reshape(num_blocks * block_size, dim),
+      *in_kernel_sinks)
+    return softmax.merge_split_outputs(out, lse, num_splits, (num_tokens, num_heads, kv_lora_rank), q.dtype,
+                                       sinks if num_splits > 1 else None)

@@ -10,7 +10,8 @@ position → ``block_table[pos // block_size]`` → physical slot), so only the 
 ``[T, topk, 576]`` gather is ever written out. Grid ``(num_tokens, cdiv(H, block_h))``: the ``block_h`` heads of a
 token are the M dimension of both dots and share each gathered tile. The QKᵀ dot is split into the latent part
 (``[block_h, 512] x [512, block_n]``) and the rope part (``[block_h, 64] x [64, block_n]``) so no 576-wide
-(non-power-of-two) tile exists.
+(non-power-of-two) tile exists. Every program sees all of its rows' keys, so attention sinks (``f32[H]``, one more
+term ``exp(sink_h)`` in each row's denominator) join at the finalization, in the kernel.
 
 On a compiled sm_90 GPU at DeepSeek's 576 / 512 dims the default is the Mosaic GPU kernel of
 :mod:`pallas_attn.kernels.mosaic.sparse_mla` (warp-specialised: a memory warpgroup gathers the rows with
@@ -42,12 +43,12 @@ def _sparse_kernel(
     topk_ref,  # i32[T * topk_padded]: request-local positions, -1 unused
     q_ref,  # [T * H, Dqk]
     kv_ref,  # [num_blocks * block_size, Dqk]
-    # outputs
-    o_ref,  # [T * H, Dv]
-    lse_ref,  # f32[T * H]
-    *, num_heads: int, kv_lora_rank: int, rope_dim: int, topk: int, max_blocks: int, block_size: int,
-    block_h: int, block_n: int, value_splits: int, scale2: float, precision,
+    *refs,  # [sinks f32[H]] (with has_sinks); outputs o [T * H, Dv], lse f32[T * H]
+    num_heads: int, kv_lora_rank: int, rope_dim: int, topk: int, max_blocks: int, block_size: int,
+    block_h: int, block_n: int, value_splits: int, scale2: float, has_sinks: bool, precision,
 ):
+    sinks_ref = refs[0] if has_sinks else None
+    o_ref, lse_ref = refs[-2:]
     t, hb = pl.program_id(0), pl.program_id(1)
     vs = pl.program_id(2) if value_splits > 1 else 0
     value_width = kv_lora_rank // value_splits  # output columns [vs * value_width, (vs + 1) * value_width)
@@ -88,7 +89,9 @@ def _sparse_kernel(
 
     num_tiles = (req >= 0).astype(jnp.int32) * (topk // block_n)  # a padding token visits no tile
     state = jax.lax.fori_loop(jnp.int32(0), num_tiles, step, softmax.init_state(block_h, value_width))
-    out, lse = softmax.finalize(state)  # all -1 (or a padding token): zeros and -inf
+    # [H_blk]: the sinks of this program's heads in base 2 (the LSE stays over the keys)
+    sink2 = tiles.load_vector(sinks_ref, head, row_valid) * softmax.LOG2E if has_sinks else None
+    out, lse = softmax.finalize(state, sink2)  # all -1 (or a padding token): zeros and -inf
     tiles.store_rows(o_ref, q_rows, value, out, row_valid)
 
     if value_splits == 1:
@@ -100,9 +103,10 @@ def _sparse_kernel(
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req, token_keys, *, kv_lora_rank, scale,
-                      interpret,
-                 cfg: config_lib.SparseConfig):
+def sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req, token_keys, sinks=None, *, kv_lora_rank,
+                      scale, interpret, cfg: config_lib.SparseConfig):
+    """``(out [T, H, kv_lora_rank], lse f32[T, H])``; arguments validated by
+    :func:`pallas_attn.ops.sparse_mla.sparse_mla_attention`; ``sinks`` ``f32[H]`` or None."""
     num_tokens, num_heads, dim_qk = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     num_seqs, max_blocks = block_tables.shape
@@ -115,15 +119,17 @@ def sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req, token_
     kernel = functools.partial(
         _sparse_kernel, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=dim_qk - kv_lora_rank,
         topk=topk_padded, max_blocks=max_blocks, block_size=block_size, block_h=block_h, block_n=block_n,
-        value_splits=cfg.value_splits, scale2=scale * softmax.LOG2E,
+        value_splits=cfg.value_splits, scale2=scale * softmax.LOG2E, has_sinks=sinks is not None,
         precision=tiles.dot_precision(q.dtype))
+    features = [] if sinks is None else [sinks.astype(jnp.float32)]
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
     mat = lambda n, d: pl.BlockSpec((n, d), lambda *_: (0, 0))
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_tokens, pl.cdiv(num_heads, block_h)) + ((cfg.value_splits,) if cfg.value_splits > 1 else ()),
         in_specs=[vec(num_tokens), vec(num_tokens), vec(num_seqs * max_blocks), vec(num_tokens * topk_padded),
-                  mat(num_tokens * num_heads, dim_qk), mat(num_blocks * block_size, dim_qk)],
+                  mat(num_tokens * num_heads, dim_qk), mat(num_blocks * block_size, dim_qk)]
+                 + [vec(num_heads)] * len(features),
         out_specs=[mat(num_tokens * num_heads, kv_lora_rank), vec(num_tokens * num_heads)],
         out_shape=[jax.ShapeDtypeStruct((num_tokens * num_heads, kv_lora_rank), q.dtype),
                    jax.ShapeDtypeStruct((num_tokens * num_heads,), jnp.float32)],
@@ -131,5 +137,5 @@ def sparse_mla_triton(q, kv_cache, block_tables, topk_indices, token_req, token_
         interpret=interpret,
         name=f"sparse_mla_d{dim_qk}_v{kv_lora_rank}_bs{block_size}",
     )(token_req, token_keys, block_tables.reshape(-1), topk_indices.reshape(-1), q.reshape(-1, dim_qk),
-      kv_cache.reshape(-1, dim_qk))
+      kv_cache.reshape(-1, dim_qk), *features)
     return out.reshape(num_tokens, num_heads, kv_lora_rank), lse.reshape(num_tokens, num_heads)
