@@ -236,15 +236,16 @@ class _Spec:
 
 _SPECS: dict[Callable, _Spec] = {
     varlen_attention: _Spec(_varlen_rules, lambda a: varlen_ops._validate(a["q"], a["k"], a["v"], a["cu_seqlens"]),
-                            ("q", "k", "v", "cu_seqlens")),
+                            ("q", "k", "v", "cu_seqlens", "alibi_slopes", "sinks")),
     paged_decode_attention: _Spec(_decode_rules,
                                   lambda a: decode_ops._validate(*(a[k] for k in ("q", "k_cache", "v_cache",
                                                                                   "block_tables", "seq_lens"))),
-                                  ("q", "k_cache", "v_cache", "block_tables", "seq_lens")),
+                                  ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks")),
     paged_attention: _Spec(_paged_rules,
                            lambda a: paged_ops._validate(*(a[k] for k in ("q", "k_cache", "v_cache", "block_tables",
                                                                           "seq_lens", "cu_query_lens"))),
-                           ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_query_lens")),
+                           ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_query_lens", "alibi_slopes",
+                            "sinks")),
     sparse_mla_attention: _Spec(_sparse_rules,
                                 lambda a: sparse_ops._validate(*(a[k] for k in (
                                     "q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens", "seq_lens",

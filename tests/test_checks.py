@@ -41,23 +41,27 @@ def _varlen(rng):
     q, cu = random_packed(rng, [6, 0, 4], 2, 16, jnp.float32, pad_to=12)
     k, _ = random_packed(rng, [6, 0, 4], 1, 16, jnp.float32, pad_to=12)
     v, _ = random_packed(rng, [6, 0, 4], 1, 16, jnp.float32, pad_to=12)
-    return varlen_attention, dict(q=q, k=k, v=v, cu_seqlens=cu), dict(max_seqlen=8, config=PREFILL)
+    heads = jnp.asarray(rng.uniform(0.1, 0.5, 2), jnp.float32)  # model-family features pass through
+    return (varlen_attention, dict(q=q, k=k, v=v, cu_seqlens=cu, alibi_slopes=heads, sinks=-heads),
+            dict(max_seqlen=8, config=PREFILL, window_size=(3, -1)))
 
 
 def _decode(rng):
     kc, vc, bt = make_paged_kv(rng, [5, 0, 17], BS, 1, 16, jnp.float32)
     q = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
     return (paged_decode_attention, dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt,
-                                         seq_lens=jnp.array([5, 0, 17], jnp.int32)),
-            dict(num_splits=2, config=DECODE))
+                                         seq_lens=jnp.array([5, 0, 17], jnp.int32),
+                                         sinks=jnp.asarray(rng.standard_normal(2), jnp.float32)),
+            dict(num_splits=2, config=DECODE, window_size=(6, -1)))
 
 
 def _paged(rng):
     kc, vc, bt = make_paged_kv(rng, [5, 3, 9], BS, 1, 16, jnp.float32)
     q, cu = random_packed(rng, [1, 3, 0], 2, 16, jnp.float32, pad_to=6)
     return (paged_attention, dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt,
-                                  seq_lens=jnp.array([5, 3, 9], jnp.int32), cu_query_lens=cu),
-            dict(max_query_len=4, config=DECODE))
+                                  seq_lens=jnp.array([5, 3, 9], jnp.int32), cu_query_lens=cu,
+                                  alibi_slopes=jnp.asarray(rng.uniform(0.1, 0.5, 2), jnp.float32)),
+            dict(max_query_len=4, config=DECODE, softcap=5.0))
 
 
 def _sparse(rng):
