@@ -177,6 +177,21 @@ def check_cp_decode(rng):
         assert np.all(np.asarray(out)[2] == 0) and np.all(np.asarray(lse)[2] == -np.inf), f"{tag}: context 0"
 
 
+def check_cp_decode_sinks_softcap(rng):
+    """A sink applied once to the state merged across 2 shards, not once per shard; soft-cap on every shard."""
+    ctx = [70, 5, 0, 17]
+    glob, _, local, mesh = _cp_case(rng, ctx)
+    sinks = jnp.asarray(rng.uniform(-1, 2, glob[0].shape[1]), jnp.float32)
+    kw = dict(sinks=sinks, softcap=2.0)
+    ref, ref_lse = reference.paged_decode_attention(*glob, return_lse=True, **kw)
+    for merge in ("all_gather", "psum"):
+        out, lse = parallel.context_parallel_decode(*local, mesh=mesh, axis="cp", merge=merge, return_lse=True,
+                                                    config=SMALL, num_splits=2, **kw)
+        assert_attention_close(out, ref, dtype=jnp.float32)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+        assert np.all(np.asarray(out)[2] == 0), f"{merge}: context 0 with a sink"
+
+
 def check_cp_decode_bf16_bs8(rng):
     ctx = [300, 9, 0, 1]
     glob, _, local, mesh = _cp_case(rng, ctx, dtype=jnp.bfloat16, bs=8)
@@ -189,7 +204,7 @@ def check_cp_decode_bf16_bs8(rng):
 
 CHECKS = {f.__name__.removeprefix("check_"): f for f in [
     check_tp_varlen, check_tp_decode, check_tp_paged, check_tp_sparse, check_split_context_pages, check_cp_decode,
-    check_cp_decode_bf16_bs8]}
+    check_cp_decode_sinks_softcap, check_cp_decode_bf16_bs8]}
 
 
 def run_checks(names=None) -> int:
