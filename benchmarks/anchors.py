@@ -19,7 +19,11 @@ layouts, transposes, head repetition) and records in ``note`` what it had to do.
   jax_pallas_paged   jax.experimental.pallas.ops.gpu.paged_attention on [Hkv, pages, page_size, D] (transposed
                      first); D1, D2, and V1 as one call per draft token
   jnp                jitted jnp gather + dense attention (float32 scores, bf16 P·V), every standard workload: the
-                     floor
+                     floor; the only anchor with the model-family features (window: only the pages of the window
+                     are gathered, soft-cap, ALiBi, sinks), so the only one on W1 and W2
+
+The other anchors declare no feature (``Impl.features``): the harness does not run them on a workload, or a
+``--variant``, that uses one.
   naive_triton       naive Triton varlen prefill (one program per request tile, no tile classes) through
                      jax-triton (P1, P2; :mod:`benchmarks.naive_triton`)
 """
@@ -34,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.impls import Impl, Options, Prepared, identity
-from benchmarks.workloads import Batch, HostBatch, Spec
+from benchmarks.workloads import FEATURE_KWARGS, Batch, HostBatch, Spec
 
 SCORE_BUDGET_BYTES = 4 * 2**30  # jnp baseline: f32 score block per query chunk
 
@@ -294,15 +298,26 @@ def _prepare_jax_paged(batches: list[Batch], options: Options) -> Prepared:
 
 
 # --------------------------------------------------------------------------------------------------- jnp
-def _dense(q, k, v, visible, scale):
+def _dense(q, k, v, visible, scale, *, offset=None, softcap=0.0, alibi_slopes=None, sinks=None):
     """q [n, m, Hq, D], k [n, N, Hkv, D], v [n, N, Hkv, Dv], visible bool[n, m, N] -> [n, m, Hq, Dv] in q.dtype.
-    Scores and softmax in float32, P·V with P cast to v's dtype (what a plain bf16 model would run)."""
+    Scores and softmax in float32, P·V with P cast to v's dtype (what a plain bf16 model would run). The model-family
+    features in docs/design.md's order: soft-cap, ALiBi (``offset`` i32[n, m, N]: key minus query position), mask,
+    softmax with ``exp(sink_h)`` in the denominator."""
     n, m, hq, d = q.shape
     hkv = k.shape[2]
     q = q.reshape(n, m, hkv, hq // hkv, d)
     s = jnp.einsum("bmkgd,bnkd->bkgmn", q, k, preferred_element_type=jnp.float32) * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_slopes.reshape(hkv, hq // hkv, 1, 1) * offset[:, None, None].astype(jnp.float32)
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:  # the sink is one more logit with no value
+        row_max = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), sinks.reshape(hkv, hq // hkv, 1, 1))
+        e = jnp.exp(s - row_max)
+        p = e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sinks.reshape(hkv, hq // hkv, 1, 1) - row_max))
     o = jnp.einsum("bkgmn,bnkd->bmkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(n, m, hq, v.shape[-1]).astype(q.dtype)
 
@@ -318,16 +333,23 @@ def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
     if spec.kind == "sparse":
         return _prepare_jnp_sparse(batches, options)
     T, scale = host.num_tokens, _scale(spec)
+    left = spec.window_left
     plans, group_args = [], []
     for idx in _jnp_groups(host):
         n, m = idx.size, int(host.q_lens[idx].max())
         i = np.arange(m)[None, :]
         q_idx = np.where(i < host.q_lens[idx, None], host.cu_query_lens[idx, None] + i, T).astype(np.int32)
         q_pos = (host.context_lens[idx, None] + i).astype(np.int32)
+        key_start = np.zeros(n, np.int64)  # position of each request's first gathered key
         if host.paged:
-            pages = int(-(-host.seq_lens[idx].max() // spec.block_size))
-            keys = host.block_tables[idx, :pages]  # [n, pages]
+            first = np.zeros(n, np.int64)  # with a left window, the pages before every query's window are skipped
+            if left >= 0:
+                first = np.maximum(host.context_lens[idx] - left, 0) // spec.block_size
+            pages = int(np.max(-(-host.seq_lens[idx] // spec.block_size) - first))
+            cols = np.minimum(first[:, None] + np.arange(pages)[None, :], host.block_tables.shape[1] - 1)
+            keys = host.block_tables[idx[:, None], cols]  # [n, pages]
             num_keys = pages * spec.block_size
+            key_start = first * spec.block_size
         else:
             num_keys = int(host.seq_lens[idx].max())
             j = np.arange(num_keys)[None, :]
@@ -344,40 +366,47 @@ def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
         q_pos = q_pos.reshape(n, num_chunks, chunk).transpose(1, 0, 2)
         plans.append((n, num_keys))
         group_args.append(tuple(jnp.asarray(x) for x in (q_idx, q_pos, keys.astype(np.int32),
-                                                          host.seq_lens[idx].astype(np.int32))))
+                                                          host.seq_lens[idx].astype(np.int32),
+                                                          key_start.astype(np.int32))))
+    softcap = float(spec.softcap)
 
-    def attend_group(q, k_src, v_src, plan, q_idx, q_pos, keys, seq):
+    def attend_group(q, k_src, v_src, feats, plan, q_idx, q_pos, keys, seq, key_start):
         n, num_keys = plan
         if host.paged:
             k = k_src[keys].reshape(n, num_keys, spec.num_kv_heads, spec.head_dim)
             v = v_src[keys].reshape(n, num_keys, spec.num_kv_heads, spec.head_dim)
         else:
             k, v = k_src[keys], v_src[keys]  # [n, num_keys, Hkv, D]
-        key_pos = jnp.arange(num_keys)
+        key_pos = key_start[:, None, None] + jnp.arange(num_keys)[None, None, :]  # [n, 1, num_keys]
 
         def one_chunk(c):
             qi, qp = c  # [n, chunk]
             qc = q[jnp.minimum(qi, T - 1)]
-            visible = (key_pos[None, None, :] <= qp[..., None]) & (key_pos[None, None, :] < seq[:, None, None])
-            return _dense(qc, k, v, visible, scale)
+            offset = key_pos - qp[..., None]  # [n, chunk, num_keys]: key minus query position
+            visible = (offset <= 0) & (key_pos < seq[:, None, None])
+            if left >= 0:
+                visible &= offset >= -left
+            return _dense(qc, k, v, visible, scale, offset=offset, softcap=softcap, **feats)
 
         out = jax.lax.map(one_chunk, (q_idx, q_pos))  # [num_chunks, n, chunk, Hq, D]
         return out, q_idx
 
     @jax.jit
-    def fn(q, k_src, v_src, *gargs):
+    def fn(q, k_src, v_src, feats, *gargs):
         out = jnp.zeros((T + 1, spec.num_q_heads, spec.head_dim), q.dtype)  # row T: sink for padding
         for plan, ga in zip(plans, gargs):
-            o, q_idx = attend_group(q, k_src, v_src, plan, *ga)
+            o, q_idx = attend_group(q, k_src, v_src, feats, plan, *ga)
             out = out.at[q_idx.reshape(-1)].set(o.reshape(-1, *o.shape[3:]))
         return out[:T]
 
     def args_for(b: Batch):
         a = b.arrays
         k_src, v_src = (a["k_cache"], a["v_cache"]) if host.paged else (a["k"], a["v"])
-        return (a["q"], k_src, v_src, *group_args)
+        feats = {k: a[k] for k in ("alibi_slopes", "sinks") if k in spec.features}
+        return (a["q"], k_src, v_src, feats, *group_args)
 
-    return Prepared(fn, [args_for(b) for b in batches], identity, note=f"{len(plans)} dense groups")
+    note = f"{len(plans)} dense groups" + (", the window's pages only" if host.paged and left >= 0 else "")
+    return Prepared(fn, [args_for(b) for b in batches], identity, note=note)
 
 
 def _prepare_jnp_sparse(batches: list[Batch], options: Options) -> Prepared:
@@ -410,6 +439,11 @@ def _ids(*ids):
     return lambda s: s.id in ids
 
 
+def _jnp_features(spec: Spec) -> frozenset[str]:
+    """The jnp floor runs every model-family feature except on sparse MLA; the other anchors run none."""
+    return frozenset() if spec.kind == "sparse" else frozenset(FEATURE_KWARGS)
+
+
 ANCHORS: list[Impl] = [
     Impl("cudnn", _ids("P1", "P2"), _prepare_cudnn),
     Impl("cudnn/packed", _ids("P1"), _prepare_cudnn_packed),
@@ -418,6 +452,6 @@ ANCHORS: list[Impl] = [
     Impl("jax_pallas_mgpu", _ids("P1", "P2"), _prepare_jax_mgpu),
     Impl("jax_pallas_decode", _ids("D1", "D2"), _prepare_jax_decode),
     Impl("jax_pallas_paged", _ids("D1", "D2", "V1"), _prepare_jax_paged),
-    Impl("jnp", lambda s: not s.family, _prepare_jnp),
+    Impl("jnp", lambda s: not s.family, _prepare_jnp, features=_jnp_features),
     Impl("naive_triton", _ids("P1", "P2"), _lazy_naive_triton),
 ]

@@ -10,6 +10,7 @@ they run on a SUBSET of rows, chosen once per workload and input set 0:
 * ragged: the first request of every group plus the longest, through ``reference.paged_attention``;
 * sparse: up to 4 tokens through ``reference.sparse_mla_attention``.
 
+The workload's model-family features (window, soft-cap, sinks, ALiBi) go to the reference as they go to the kernels.
 ``rel_err`` is ``||out - ref|| / ||ref||`` over those rows (float64; :func:`pallas_attn.testing.relative_l2`).
 """
 
@@ -50,6 +51,7 @@ def reference_subset(batch: Batch) -> RefSubset:
     from pallas_attn import reference
     host, a = batch.host, batch.arrays
     kind = host.spec.kind
+    feats = host.spec.feature_kwargs(a)
     rows, refs = [], []
     if kind == "prefill":
         order = np.argsort(host.seq_lens, kind="stable")
@@ -58,7 +60,8 @@ def reference_subset(batch: Batch) -> RefSubset:
             start, length = int(host.cu_query_lens[b]), int(host.seq_lens[b])
             m = min(length, PREFIX_ROWS)
             sl = slice(start, start + m)
-            refs.append(np.asarray(reference.varlen_attention(a["q"][sl], a["k"][sl], a["v"][sl], _cu([m]))))
+            out = reference.varlen_attention(a["q"][sl], a["k"][sl], a["v"][sl], _cu([m]), **feats)
+            refs.append(np.asarray(out))
             rows.append(np.arange(start, start + m))
             r = min(SUFFIX_ROWS, length - m)
             if r > 0:
@@ -66,14 +69,14 @@ def reference_subset(batch: Batch) -> RefSubset:
                 q_rows = slice(start + length - r, start + length)
                 out = reference.paged_attention(a["q"][q_rows], a["k"][whole][None], a["v"][whole][None],
                                                 jnp.zeros((1, 1), jnp.int32), jnp.asarray([length], jnp.int32),
-                                                _cu([r]))
+                                                _cu([r]), **feats)
                 refs.append(np.asarray(out))
                 rows.append(np.arange(start + length - r, start + length))
     elif kind == "decode":
         idx = np.asarray(sorted(_pick(host.seq_lens)))
         out = reference.paged_decode_attention(a["q"][idx], a["k_cache"], a["v_cache"],
                                                jnp.asarray(host.block_tables[idx]),
-                                               jnp.asarray(host.seq_lens[idx], jnp.int32))
+                                               jnp.asarray(host.seq_lens[idx], jnp.int32), **feats)
         refs.append(np.asarray(out))
         rows.append(idx)
     elif kind == "ragged":
@@ -83,7 +86,7 @@ def reference_subset(batch: Batch) -> RefSubset:
         q_rows = np.concatenate([np.arange(host.cu_query_lens[b], host.cu_query_lens[b + 1]) for b in idx])
         out = reference.paged_attention(a["q"][q_rows], a["k_cache"], a["v_cache"],
                                         jnp.asarray(host.block_tables[idx]),
-                                        jnp.asarray(host.seq_lens[idx], jnp.int32), _cu(host.q_lens[idx]))
+                                        jnp.asarray(host.seq_lens[idx], jnp.int32), _cu(host.q_lens[idx]), **feats)
         refs.append(np.asarray(out))
         rows.append(q_rows)
     elif kind == "sparse":
@@ -92,7 +95,7 @@ def reference_subset(batch: Batch) -> RefSubset:
         idx = np.asarray(sorted(_pick(np.arange(host.num_seqs))))
         out = reference.sparse_mla_attention(a["q"][idx], a["kv_cache"], jnp.asarray(host.block_tables[idx]),
                                              jnp.asarray(host.topk_indices[idx]),
-                                             kv_lora_rank=host.spec.kv_lora_rank)
+                                             kv_lora_rank=host.spec.kv_lora_rank, **feats)
         refs.append(np.asarray(out))
         rows.append(idx)
     else:

@@ -21,6 +21,7 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.workloads import Batch, Draw, Spec
+from benchmarks.workloads import FEATURE_KWARGS, Batch, Draw, Spec
 
 OURS = "pallas_attn"
 
@@ -56,18 +57,58 @@ class Prepared:
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
+    """One row per workload it serves.
+
+    applies: the workloads it is meant for; features: the model-family keywords it can run
+    (:attr:`Spec.features`; ours: those its public function takes). A workload using a feature outside them is
+    not run (``--list`` shows it as unsupported), never run without it. spec_for: the workload as this row runs it
+    (a ``--variant`` may turn a feature on); twin_impl: the implementation its rows are measured against on the
+    same workload (``ratio_to_twin``), if any.
+    """
     name: str
     applies: Callable[[Spec], bool]
     prepare: Callable[[list[Batch], Options], Prepared]
     anchor: bool = True  # False for ours: "ratio to best anchor" compares against anchor rows only
+    features: Callable[[Spec], frozenset[str]] = lambda spec: frozenset()
+    spec_for: Callable[[Spec], Spec] = lambda spec: spec
+    twin_impl: Callable[[Spec], str | None] = lambda spec: None
 
     @property
     def ours(self) -> bool:
         return not self.anchor
 
+    def unsupported(self, spec: Spec) -> frozenset[str]:
+        """The model-family keywords the workload (as this row runs it) uses and this implementation cannot."""
+        return self.spec_for(spec).features - self.features(spec)
+
+    def serves(self, spec: Spec) -> bool:
+        return self.applies(spec) and not self.unsupported(spec)
+
 
 def identity(x):
     return x
+
+
+def takes(function_name: str) -> Callable[[Spec], frozenset[str]]:
+    """The model-family keywords a public function of pallas_attn takes (an older revision, under ``--baseline``,
+    may take none; a function gains them without a change here)."""
+    def features(spec: Spec) -> frozenset[str]:
+        import pallas_attn
+        params = inspect.signature(getattr(pallas_attn, function_name)).parameters
+        return frozenset(k for k in FEATURE_KWARGS if k in params)
+
+    return features
+
+
+def _features(batch: Batch) -> dict:
+    """The arrays among the workload's feature arguments (sinks, slopes), passed to the jitted call as data."""
+    kw = batch.spec.feature_kwargs(batch.arrays)
+    return {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+
+
+def _static_features(spec: Spec) -> dict:
+    """The static feature arguments (window_size, softcap), bound into the jitted call."""
+    return {k: v for k, v in spec.feature_kwargs({}).items() if v is not None}
 
 
 def _interpret_kw(options: Options) -> dict:
@@ -79,15 +120,16 @@ def _interpret_kw(options: Options) -> dict:
 def _prepare_prefill(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
     host = batches[0].host
-    kw = dict(max_seqlen=int(host.seq_lens.max()), **_interpret_kw(options), **options.overrides, **extra)
-    fn = jax.jit(lambda q, k, v, cu: pallas_attn.varlen_attention(q, k, v, cu, **kw))
-    args = [(b.arrays["q"], b.arrays["k"], b.arrays["v"], b.arrays["cu_seqlens"]) for b in batches]
+    kw = dict(max_seqlen=int(host.seq_lens.max()), **_static_features(host.spec), **_interpret_kw(options),
+              **options.overrides, **extra)
+    fn = jax.jit(lambda q, k, v, cu, feats: pallas_attn.varlen_attention(q, k, v, cu, **kw, **feats))
+    args = [(b.arrays["q"], b.arrays["k"], b.arrays["v"], b.arrays["cu_seqlens"], _features(b)) for b in batches]
     return Prepared(fn, args, identity, note=_config_note(options))
 
 
 def _decode_args(b: Batch):
     a = b.arrays
-    return a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["context_lens"]
+    return a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["context_lens"], _features(b)
 
 
 def _split_note(batch: Batch, options: Options, kwargs: dict) -> str:
@@ -96,8 +138,10 @@ def _split_note(batch: Batch, options: Options, kwargs: dict) -> str:
     try:
         from pallas_attn.core import config as config_lib
         cfg = kwargs.get("config") or config_lib.default_decode_config(s.head_dim, s.block_size, s.jnp_dtype.itemsize)
-        splits, size = config_lib.resolve_splits(host.num_seqs * s.num_kv_heads,
-                                                 host.block_tables.shape[1] * s.block_size, cfg.block_n,
+        keys = host.block_tables.shape[1] * s.block_size
+        if s.window_left >= 0:  # a window straddles one more tile
+            keys = min(keys, s.window_left + 1 + cfg.block_n)
+        splits, size = config_lib.resolve_splits(host.num_seqs * s.num_kv_heads, keys, cfg.block_n,
                                                  kwargs.get("num_splits"), kwargs.get("split_size"))
     except Exception as e:  # noqa: BLE001 - a note must never fail a run (nor a baseline revision's layout)
         return f"splits=? ({type(e).__name__})"
@@ -112,16 +156,19 @@ def _config_note(options: Options) -> str:
 def _prepare_decode(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
     overrides = {**options.overrides, **extra}
-    kw = dict(**_interpret_kw(options), **overrides)
-    fn = jax.jit(lambda q, kc, vc, bt, cl: pallas_attn.paged_decode_attention(q, kc, vc, bt, cl, **kw))
+    kw = dict(**_static_features(batches[0].spec), **_interpret_kw(options), **overrides)
+    fn = jax.jit(lambda q, kc, vc, bt, cl, feats: pallas_attn.paged_decode_attention(q, kc, vc, bt, cl, **kw,
+                                                                                      **feats))
     note = " ".join(x for x in [_split_note(batches[0], options, overrides), _config_note(options)] if x)
     return Prepared(fn, [_decode_args(b) for b in batches], identity, note=note)
 
 
 def _prepare_decode_as_ragged(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
-    kw = dict(max_query_len=1, **_interpret_kw(options), **options.overrides, **extra)
-    fn = jax.jit(lambda q, kc, vc, bt, sl, cu: pallas_attn.paged_attention(q, kc, vc, bt, sl, cu, **kw))
+    kw = dict(max_query_len=1, **_static_features(batches[0].spec), **_interpret_kw(options), **options.overrides,
+              **extra)
+    fn = jax.jit(lambda q, kc, vc, bt, sl, feats, cu: pallas_attn.paged_attention(q, kc, vc, bt, sl, cu, **kw,
+                                                                                   **feats))
     cu = jnp.arange(batches[0].host.num_seqs + 1, dtype=jnp.int32)
     args = [(*_decode_args(b), cu) for b in batches]
     return Prepared(fn, args, identity, note=_config_note(options))
@@ -129,13 +176,15 @@ def _prepare_decode_as_ragged(batches: list[Batch], options: Options, **extra) -
 
 def _ragged_args(b: Batch):
     a = b.arrays
-    return a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], a["cu_query_lens"]
+    return a["q"], a["k_cache"], a["v_cache"], a["block_tables"], a["seq_lens"], a["cu_query_lens"], _features(b)
 
 
 def _prepare_ragged(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
-    kw = dict(max_query_len=batches[0].host.max_query_len, **_interpret_kw(options), **options.overrides, **extra)
-    fn = jax.jit(lambda q, kc, vc, bt, sl, cu: pallas_attn.paged_attention(q, kc, vc, bt, sl, cu, **kw))
+    kw = dict(max_query_len=batches[0].host.max_query_len, **_static_features(batches[0].spec),
+              **_interpret_kw(options), **options.overrides, **extra)
+    fn = jax.jit(lambda q, kc, vc, bt, sl, cu, feats: pallas_attn.paged_attention(q, kc, vc, bt, sl, cu, **kw,
+                                                                                   **feats))
     return Prepared(fn, [_ragged_args(b) for b in batches], identity, note=_config_note(options))
 
 
@@ -157,16 +206,15 @@ def _prepare_ragged_parts(batches: list[Batch], options: Options) -> Prepared:
         rows = slice(int(host.cu_query_lens[idx[0]]), int(host.cu_query_lens[idx[-1] + 1]))
         q_lens = host.q_lens[idx]
         plans.append((bool(np.all(q_lens == 1)), rows, int(q_lens.max()), idx))
-    ikw = _interpret_kw(options)
+    kw = dict(**_static_features(host.spec), **_interpret_kw(options), **options.overrides)
 
-    def fn(q_parts, kc, vc, tables, lens, cus):
+    def fn(q_parts, kc, vc, tables, lens, cus, feats):
         outs = []
         for (is_decode, _, mql, _), q, bt, sl, cu in zip(plans, q_parts, tables, lens, cus):
             if is_decode:
-                outs.append(pallas_attn.paged_decode_attention(q, kc, vc, bt, sl, **ikw, **options.overrides))
+                outs.append(pallas_attn.paged_decode_attention(q, kc, vc, bt, sl, **kw, **feats))
             else:
-                outs.append(pallas_attn.paged_attention(q, kc, vc, bt, sl, cu, max_query_len=mql, **ikw,
-                                                        **options.overrides))
+                outs.append(pallas_attn.paged_attention(q, kc, vc, bt, sl, cu, max_query_len=mql, **kw, **feats))
         return tuple(outs)
 
     def args_for(b: Batch):
@@ -175,7 +223,7 @@ def _prepare_ragged_parts(batches: list[Batch], options: Options) -> Prepared:
         tables = tuple(jnp.asarray(host.block_tables[idx]) for *_, idx in plans)
         lens = tuple(jnp.asarray(host.seq_lens[idx], jnp.int32) for *_, idx in plans)
         cus = tuple(jnp.asarray(np.concatenate([[0], np.cumsum(host.q_lens[idx])]), jnp.int32) for *_, idx in plans)
-        return q_parts, a["k_cache"], a["v_cache"], tables, lens, cus
+        return q_parts, a["k_cache"], a["v_cache"], tables, lens, cus, _features(b)
 
     return Prepared(jax.jit(fn), [args_for(b) for b in batches], lambda outs: jnp.concatenate(outs, axis=0),
                     note=f"{len(plans)} calls")
@@ -184,9 +232,10 @@ def _prepare_ragged_parts(batches: list[Batch], options: Options) -> Prepared:
 def _prepare_sparse(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
     s = batches[0].spec
-    kw = dict(kv_lora_rank=s.kv_lora_rank, **_interpret_kw(options), **options.overrides, **extra)
-    fn = jax.jit(lambda q, kv, bt, ti: pallas_attn.sparse_mla_attention(q, kv, bt, ti, **kw))
-    args = [(b.arrays["q"], b.arrays["kv_cache"], b.arrays["block_tables"], b.arrays["topk_indices"])
+    kw = dict(kv_lora_rank=s.kv_lora_rank, **_static_features(s), **_interpret_kw(options), **options.overrides,
+              **extra)
+    fn = jax.jit(lambda q, kv, bt, ti, feats: pallas_attn.sparse_mla_attention(q, kv, bt, ti, **kw, **feats))
+    args = [(b.arrays["q"], b.arrays["kv_cache"], b.arrays["block_tables"], b.arrays["topk_indices"], _features(b))
             for b in batches]
     return Prepared(fn, args, identity, note=_config_note(options))
 
@@ -211,16 +260,27 @@ def _is_mixed(spec: Spec) -> bool:
     return spec.kind == "ragged" and len(spec.groups) > 1
 
 
+def takes_for_kind(spec: Spec) -> frozenset[str]:
+    """The model-family keywords the public function of the workload's kind takes."""
+    return takes(FUNCTION_BY_KIND[spec.kind])(spec)
+
+
+def _parts_features(spec: Spec) -> frozenset[str]:
+    return takes("paged_decode_attention")(spec) & takes("paged_attention")(spec)
+
+
 OUR_IMPLS: list[Impl] = [
-    Impl(OURS, lambda s: True, _prepare_ours, anchor=False),
+    Impl(OURS, lambda s: True, _prepare_ours, anchor=False, features=takes_for_kind),
     Impl(f"{OURS}/no_split", lambda s: s.kind == "decode" and s.id != "D1",
-         lambda b, o: _prepare_decode(b, o, num_splits=1), anchor=False),
-    Impl(f"{OURS}/paged", lambda s: s.kind == "decode" and not s.family, _prepare_decode_as_ragged, anchor=False),
-    Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False),
+         lambda b, o: _prepare_decode(b, o, num_splits=1), anchor=False, features=takes("paged_decode_attention")),
+    Impl(f"{OURS}/paged", lambda s: s.kind == "decode" and not s.family, _prepare_decode_as_ragged, anchor=False,
+         features=takes("paged_attention")),
+    Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False, features=_parts_features),
+    # the Mosaic prefill has none of the model-family features (varlen_attention runs them on Triton)
     Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_prefill(b, o, backend="mosaic"), anchor=False),
     Impl(f"{OURS}/triton", lambda s: s.kind in ("prefill", "sparse"),
          lambda b, o: (_prepare_sparse if b[0].spec.kind == "sparse" else _prepare_prefill)(b, o, backend="triton"),
-         anchor=False),
+         anchor=False, features=takes_for_kind),
 ]
 
 

@@ -6,6 +6,8 @@
     python -m benchmarks.run --only P1 --variant bn64:backend=triton,config.block_n=64
     python -m benchmarks.run --only P1,P2 --impl pallas_attn --baseline HEAD~1
     python -m benchmarks.run --family split        # decode batch × context, split-KV on / off
+    python -m benchmarks.run --only W1,W2,P1,D1 --impl pallas_attn --variant softcap:softcap=50 \
+        --variant sinks:sinks=1 --variant alibi:alibi=1   # model-family workloads, each feature's cost
     python -m benchmarks.run --sweep --only D2     # tuning: config grid for our kernels
     PALLAS_ATTN_INTERPRET=1 python -m benchmarks.run --tiny --out /tmp/bench_smoke   # CPU smoke test
     pallas-attn bench [same flags]                 # the package CLI calls main(argv)
@@ -48,12 +50,17 @@ from benchmarks.timing import time_fn
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 STANDARD_IDS = ["P1", "P2", "D1", "D2", "V1", "M1", "S1"]
+FEATURE_IDS = ["W1", "W2"]  # model-family workloads, run with --only (each brings its twin: W1-short, P2)
 FORMULAS = [
-    "TFLOP/s (prefill-like) = 4 · visible (q,k) pairs · head_dim · num_q_heads / t",
-    "GB/s (decode-like)     = (Σ seq_len · num_kv_heads · head_dim · 2 (K,V) · 2 B + q bytes + out bytes) / t",
+    "TFLOP/s (prefill-like) = 4 · visible (q,k) pairs · head_dim · num_q_heads / t  (a window hides pairs)",
+    "GB/s (decode-like)     = (Σ keys read · num_kv_heads · head_dim · 2 (K,V) · 2 B + q bytes + out bytes) / t;"
+    "  keys read = seq_len, or min(seq_len, q_len + left) with a left window",
     "S1 TFLOP/s             = Σ tokens · topk · (2·H·576 + 2·H·512) / t;  S1 GB/s = Σ tokens · topk · 576 · 2 B / t",
     "ratio_to_ceiling: TFLOP/s ÷ bf16 matmul TFLOP/s, GB/s ÷ copy GB/s (both measured in this run); "
     "ratio_to_best_anchor: ÷ the best non-pallas_attn row of the same workload and unit",
+    "ratio_to_twin (x twin): ÷ the row that differs by one thing, same unit, this run: the same implementation on "
+    "the workload's twin (W1 ÷ W1-short: the long context's cost beyond the window, 1 at best; W2 ÷ P2: the "
+    "window's), or a --variant ÷ the call without it (a feature variant: 1 - x = the feature's cost)",
 ]
 
 # --budget's estimates where no earlier results file of the device holds measured ``setup_s`` / ``wall_s``: seconds
@@ -169,7 +176,7 @@ def measure_case(impl, batches, options, subset, target_s: float, verbose: bool 
 def _row(workload: str, impl: str, unit: str | None, res: CaseResult | None, *, ctx: dict, anchor: bool,
          kind: str, extra: dict | None = None) -> dict:
     row = {"workload": workload, "impl": impl, "median_ms": None, "metric": None, "unit": unit, "rel_err": None,
-           "ratio_to_ceiling": None, "ratio_to_best_anchor": None, "device": ctx["device"],
+           "ratio_to_ceiling": None, "ratio_to_best_anchor": None, "ratio_to_twin": None, "device": ctx["device"],
            "versions": ctx["versions"], "date": ctx["date"], "kind": kind, "anchor": anchor, "note": "",
            "error": None}
     if res is not None:
@@ -183,10 +190,13 @@ def _row(workload: str, impl: str, unit: str | None, res: CaseResult | None, *, 
 
 def add_ratios(rows: list[dict], ceil: dict[str, ceilings_lib.Ceiling]) -> None:
     best: dict[tuple, float] = {}
+    metric: dict[tuple, float] = {}
     for r in rows:
-        if r["anchor"] and r["metric"] is not None and r["workload"] != "ceiling":
-            key = (r["workload"], r["unit"])
-            best[key] = max(best.get(key, 0.0), r["metric"])
+        if r["metric"] is not None and r["workload"] != "ceiling":
+            metric[(r["workload"], r["impl"], r["unit"])] = r["metric"]
+            if r["anchor"]:
+                key = (r["workload"], r["unit"])
+                best[key] = max(best.get(key, 0.0), r["metric"])
     for r in rows:
         if r["metric"] is None:
             continue
@@ -196,6 +206,25 @@ def add_ratios(rows: list[dict], ceil: dict[str, ceilings_lib.Ceiling]) -> None:
         b = best.get((r["workload"], r["unit"]))
         if b:
             r["ratio_to_best_anchor"] = r["metric"] / b
+        twin = r.get("twin")
+        t = twin and metric.get((twin["workload"], twin["impl"], r["unit"]))
+        if t:
+            r["ratio_to_twin"] = r["metric"] / t
+
+
+def twin_of(spec: wl.Spec, impl, name: str) -> dict | None:
+    """The row a row is measured against (``ratio_to_twin``): the same implementation on the workload's twin, else
+    the implementation's own twin on the same workload (a ``--variant`` against the call without it)."""
+    if spec.twin:
+        return {"workload": spec.twin, "impl": name}
+    other = impl.twin_impl(spec)
+    return {"workload": spec.id, "impl": other} if other else None
+
+
+def feature_fields(spec: wl.Spec) -> dict:
+    """The model-family features of the call, for the row: ``{"features": {"window_size": [127, 0], ...}}``."""
+    kw = spec.feature_kwargs({"alibi_slopes": True, "sinks": True})
+    return {"features": kw} if kw else {}
 
 
 def results_path(out_dir: pathlib.Path, date: str, slug: str, tiny: bool, suffix: str = "") -> pathlib.Path:
@@ -253,11 +282,13 @@ def _fmt_metric(x) -> str:
 
 def print_table(rows: list[dict], tol_by_workload: dict[str, float], file=None) -> None:
     file = file or sys.stdout
-    headers = ["workload", "impl", "median ms", "metric", "unit", "x ceiling", "x best anchor", "rel_err", "note"]
+    headers = ["workload", "impl", "median ms", "metric", "unit", "x ceiling", "x best anchor", "x twin", "rel_err",
+               "note"]
     body = []
     for r in rows:
         if r["error"]:
-            body.append([r["workload"], r["impl"], "-", "-", r["unit"] or "", "-", "-", "-", f"error: {r['error']}"])
+            body.append([r["workload"], r["impl"], "-", "-", r["unit"] or "", "-", "-", "-", "-",
+                         f"error: {r['error']}"])
             continue
         err = r["rel_err"]
         flag = ""
@@ -266,14 +297,14 @@ def print_table(rows: list[dict], tol_by_workload: dict[str, float], file=None) 
             flag = " (!)"
         body.append([r["workload"], r["impl"], _fmt(r["median_ms"], ".4f"), _fmt_metric(r["metric"]), r["unit"],
                      _fmt(r["ratio_to_ceiling"], ".3f"), _fmt(r["ratio_to_best_anchor"], ".3f"),
-                     _fmt(err, ".2e") + flag, r.get("note") or ""])
+                     _fmt(r.get("ratio_to_twin"), ".3f"), _fmt(err, ".2e") + flag, r.get("note") or ""])
     try:
         from rich.console import Console
         from rich.table import Table
         table = Table(show_lines=False, header_style="bold")
         for h in headers:
             table.add_column(h, justify="right" if h in ("median ms", "metric", "x ceiling", "x best anchor",
-                                                        "rel_err") else "left", overflow="fold")
+                                                        "x twin", "rel_err") else "left", overflow="fold")
         for b in body:
             table.add_row(*b)
         Console(file=file, width=max(160, 20)).print(table)
@@ -384,7 +415,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None,
                    help=f"comma-separated workload ids (default: all of {','.join(STANDARD_IDS)} unless --family is "
-                        "given; 'none' for none); family ids (e.g. one-512) are accepted too")
+                        f"given; 'none' for none); the model-family workloads {','.join(FEATURE_IDS)} (each with its "
+                        "twin) and family ids (e.g. one-512) are accepted too")
     p.add_argument("--family", default=None,
                    help=f"comma-separated workload grids to add: {', '.join(wl.FAMILIES)}")
     p.add_argument("--impl", default=None,
@@ -436,13 +468,30 @@ def _selected_specs(args) -> list[wl.Spec]:
                              f"families (--family): {', '.join(wl.FAMILIES)}")
         specs.append(spec)
     specs += [s for s in wl.family_specs(families, tiny=args.tiny) if s not in specs]
-    return specs
+    return with_twins(specs, args.tiny)
+
+
+def with_twins(specs: list[wl.Spec], tiny: bool) -> list[wl.Spec]:
+    """The selection with each workload's twin before it (``ratio_to_twin`` needs both rows of one run)."""
+    out: list[wl.Spec] = []
+    for spec in specs:
+        twin = wl.find_spec(spec.twin, tiny) if spec.twin else None
+        for s in (twin, spec):
+            if s is not None and s not in out:
+                out.append(s)
+    return out
 
 
 def _list(tiny: bool) -> None:
-    for spec in wl.get_specs(STANDARD_IDS, tiny):
-        names = [i.name for i in impls_lib.all_impls() if i.applies(spec)]
-        print(f"{spec.id}  {spec.what}  [{', '.join(spec.units)}]\n    {', '.join(names)}")
+    table = wl.TINY_WORKLOADS if tiny else wl.WORKLOADS
+    for spec in table.values():
+        names = [i.name for i in impls_lib.all_impls() if i.serves(spec)]
+        unsupported = [f"{i.name} ({', '.join(sorted(i.unsupported(spec)))})" for i in impls_lib.all_impls()
+                       if i.applies(spec) and i.unsupported(spec)]
+        features = ", ".join(f"{k}={v}" for k, v in feature_fields(spec).get("features", {}).items())
+        print(f"{spec.id}  {spec.what}  [{', '.join(spec.units)}]" + (f"  {features}" if features else "")
+              + (f"  twin {spec.twin}" if spec.twin else "") + f"\n    {', '.join(names)}"
+              + (f"\n    unsupported: {', '.join(unsupported)}" if unsupported else ""))
     for name in wl.FAMILIES:
         print(f"--family {name}: {', '.join(s.id for s in wl.family_specs([name], tiny))}")
 
@@ -498,7 +547,7 @@ def main(argv=None) -> int:
     if args.baseline:
         reserve = BASELINE_START_S + sum(est.setup(s) + est.case(s, impls_lib.OURS) for s in specs)
 
-    cases = [(s, i) for s in specs for i in impls if i.applies(s)]
+    cases = [(s, i) for s in specs for i in impls if i.serves(s)]
     progress = Progress(total=len(cases) + (0 if args.as_baseline else 2))
     rows: list[dict] = []
     ceil: dict[str, ceilings_lib.Ceiling] = {}
@@ -512,7 +561,7 @@ def main(argv=None) -> int:
         writer.write(rows)
     tol_by_workload = {}
     for spec in specs:
-        applicable = [i for i in impls if i.applies(spec)]
+        applicable = [i for i in impls if i.serves(spec)]
         if not applicable:
             continue
         cheapest = min(est.case(spec, i.name) for i in applicable)
@@ -539,26 +588,35 @@ def main(argv=None) -> int:
             extra.update(batch=host.num_seqs, ctx=int(host.seq_lens.max()), family="split")
         elif spec.family:
             extra["family"] = spec.family
+        featured = {}  # a spec a --variant turned a feature on in -> (batches, subset, subset error)
         for impl in applicable:
             if not budget.fits(est.case(spec, impl.name) + reserve):
                 budget.skip(spec.id, impl.name)
                 progress.step()
                 continue
             progress.describe(f"{spec.id} {impl.name}")
-            res = measure_case(impl, batches, options, subset, target_s, verbose=args.verbose)
-            if subset_error and res.ok:
+            run_spec = impl.spec_for(spec)
+            impl_batches, impl_subset, impl_subset_error = batches, subset, subset_error
+            if run_spec != spec:
+                if run_spec not in featured:
+                    featured[run_spec] = _featured_inputs(batches, run_spec, args.no_check, progress)
+                impl_batches, impl_subset, impl_subset_error = featured[run_spec]
+            res = measure_case(impl, impl_batches, options, impl_subset, target_s, verbose=args.verbose)
+            if impl_subset_error and res.ok:
                 res.note = (res.note + "; " if res.note else "") + "no reference check"
             name = args.as_baseline or impl.name
+            twin = twin_of(spec, impl, name)
+            row_extra = {**extra, **feature_fields(run_spec), **({"twin": twin} if twin else {})}
             for unit in spec.units:
                 rows.append(_row(spec.id, name, unit, res, ctx=ctx, anchor=impl.anchor and not args.as_baseline,
-                                 kind=spec.kind, extra=extra))
+                                 kind=spec.kind, extra=row_extra))
             add_ratios(rows, ceil)
             writer.write(rows)
             progress.write(f"{spec.id} {name}: " + (f"error: {res.error}" if res.error else
                            f"{_fmt(res.median_ms, '.4f')} ms, {_fmt_metric(res.metric(spec.units[0]))} "
                            f"{spec.units[0]}") + f" ({res.wall_s:.1f} s)")
             progress.step()
-        del batches, subset
+        del batches, subset, featured
         gc.collect()
     progress.close()
 
@@ -596,6 +654,19 @@ def main(argv=None) -> int:
             print(f"plots skipped: {_short_error(e)}")
     print(f"total {time.perf_counter() - t_start:.1f} s")
     return 0
+
+
+def _featured_inputs(batches, spec: wl.Spec, no_check: bool, progress) -> tuple[list, object, str | None]:
+    """The workload's arrays under a spec with other features (a --variant's), and its own reference subset."""
+    featured = [wl.with_spec(b, spec) for b in batches]
+    if no_check:
+        return featured, None, None
+    try:
+        return featured, checks.reference_subset(featured[0]), None
+    except Exception as e:  # noqa: BLE001 - time anyway, rel_err stays null
+        progress.write(f"{spec.id} ({', '.join(sorted(spec.features))}): reference check unavailable: "
+                       f"{_short_error(e)}")
+        return featured, None, _short_error(e)
 
 
 def _main_sweep(args, specs, options, out_dir, ctx, target_s) -> int:

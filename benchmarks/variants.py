@@ -4,6 +4,8 @@ extra arguments.
     --variant bn64:config.block_n=64                    # a field of the op's default config
     --variant split4:num_splits=4                       # a keyword argument of the public function
     --variant mosaic-pc4:backend=mosaic,config.p_chunks=4
+    --variant softcap:softcap=50                        # a model-family feature turned on
+    --variant sinks:sinks=1                             # f32[num_q_heads] sinks (ALiBi slopes: alibi=1)
 
 A ``key`` is a keyword argument of the workload's public function (``varlen_attention``, ``paged_decode_attention``,
 ``paged_attention``, ``sparse_mla_attention``); ``ARG.FIELD`` sets a field of the config argument ``ARG``
@@ -11,6 +13,13 @@ A ``key`` is a keyword argument of the workload's public function (``varlen_atte
 FIELD=value)``, the default being the one the op itself would use for the workload's shapes and backend. Values
 parse as int, float, ``true``/``false``/``none``, ``a/b`` (a tuple of ints), else a string. A variant runs on the
 workloads whose function takes all its keyword arguments; ``config.`` fields the config lacks give an error row.
+
+A model-family key (``window_size=127/0``, ``softcap=50``, ``sinks=1``, ``alibi=1``) changes the workload the row
+runs (:class:`benchmarks.workloads.Spec`'s fields of the same names): the sinks and slopes are those
+:func:`benchmarks.workloads.build_arrays` drew, the reference check uses the feature too, and the metrics count what
+the feature leaves visible. Such a row's ``ratio_to_twin`` is its metric over the same call without the feature: the
+``pallas_attn`` row, or on prefill ``pallas_attn/triton`` (``varlen_attention`` runs every feature on the Triton
+kernel, while its default row may run Mosaic); any other variant's is over the ``pallas_attn`` row.
 """
 
 from __future__ import annotations
@@ -19,10 +28,11 @@ import dataclasses
 import inspect
 from typing import Any
 
-from benchmarks.impls import FUNCTION_BY_KIND, OURS, Impl, Options, Prepared, _prepare_ours
-from benchmarks.workloads import Batch, Spec
+from benchmarks.impls import FUNCTION_BY_KIND, OURS, Impl, Options, Prepared, _prepare_ours, takes_for_kind
+from benchmarks.workloads import FEATURE_KWARGS, Batch, Spec, with_spec
 
 CONFIG_ARGS = ("config", "chunk_config")
+FEATURE_FIELDS = {field: kwarg for kwarg, field in FEATURE_KWARGS.items()}  # --variant key -> keyword argument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,13 +41,23 @@ class Variant:
     kwargs: tuple[tuple[str, Any], ...]  # plain keyword arguments
     fields: tuple[tuple[str, str, Any], ...]  # (config argument, field, value)
     text: str  # as given on the command line, for the row's note
+    features: tuple[tuple[str, Any], ...] = ()  # (Spec field, value): model-family features turned on
 
     @property
     def impl_name(self) -> str:
         return f"{OURS}/{self.name}"
 
     def arg_names(self) -> set[str]:
-        return {k for k, _ in self.kwargs} | {arg for arg, _, _ in self.fields}
+        return ({k for k, _ in self.kwargs} | {arg for arg, _, _ in self.fields}
+                | {FEATURE_FIELDS[f] for f, _ in self.features})
+
+    def spec_for(self, spec: Spec) -> Spec:
+        return dataclasses.replace(spec, **dict(self.features)) if self.features else spec
+
+    def twin_impl(self, spec: Spec) -> str:
+        if self.features and spec.kind == "prefill":
+            return f"{OURS}/triton"
+        return OURS
 
 
 def parse_value(text: str) -> Any:
@@ -62,13 +82,18 @@ def parse(text: str) -> Variant:
     name = name.strip()
     if not sep or not name or "/" in name or not body.strip():
         raise ValueError(f"--variant {text!r}: expected NAME:key=value[,key=value...] (NAME without '/')")
-    kwargs, fields = [], []
+    kwargs, fields, features = [], [], []
     for item in body.split(","):
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or not key:
             raise ValueError(f"--variant {text!r}: {item!r} is not key=value")
-        if "." in key:
+        if key in FEATURE_FIELDS:
+            features.append((key, _feature_value(text, key, parse_value(value))))
+        elif key in FEATURE_KWARGS:
+            raise ValueError(f"--variant {text!r}: turn {key} on with {FEATURE_KWARGS[key]}=1 (the harness draws "
+                             "the array)")
+        elif "." in key:
             arg, field = key.split(".", 1)
             if arg not in CONFIG_ARGS:
                 raise ValueError(f"--variant {text!r}: {arg!r} is not a config argument ({', '.join(CONFIG_ARGS)})")
@@ -77,7 +102,22 @@ def parse(text: str) -> Variant:
             if key in CONFIG_ARGS:
                 raise ValueError(f"--variant {text!r}: set config fields one by one ({key}.FIELD=value)")
             kwargs.append((key, parse_value(value)))
-    return Variant(name, tuple(kwargs), tuple(fields), body.strip())
+    return Variant(name, tuple(kwargs), tuple(fields), body.strip(), tuple(features))
+
+
+def _feature_value(text: str, key: str, value: Any) -> Any:
+    """A model-family key's value as the Spec field holds it: a window pair, a float soft-cap, a flag."""
+    if key == "window_size":
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise ValueError(f"--variant {text!r}: window_size=LEFT/RIGHT (-1: unbounded), e.g. 127/0")
+        return value
+    if key == "softcap":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"--variant {text!r}: softcap takes a number (0: off)")
+        return float(value)
+    if value not in (0, 1, True, False):
+        raise ValueError(f"--variant {text!r}: {key} takes 1 or 0 (true / false)")
+    return bool(value)
 
 
 def _public_function(kind: str):
@@ -131,12 +171,14 @@ def resolve(spec: Spec, variant: Variant) -> dict[str, Any]:
 
 def make_impl(variant: Variant) -> Impl:
     def prepare(batches: list[Batch], options: Options) -> Prepared:
+        batches = [with_spec(b, variant.spec_for(b.spec)) for b in batches]  # the harness may have done it already
         kw = resolve(batches[0].spec, variant)
         prepared = _prepare_ours(batches, options, **kw)
         prepared.note = "; ".join(x for x in (variant.text, prepared.note) if x)
         return prepared
 
-    return Impl(variant.impl_name, lambda s: accepts(s, variant), prepare, anchor=False)
+    return Impl(variant.impl_name, lambda s: accepts(s, variant), prepare, anchor=False, features=takes_for_kind,
+                spec_for=variant.spec_for, twin_impl=variant.twin_impl)
 
 
 def make_impls(texts: list[str] | None, taken: set[str]) -> list[Impl]:

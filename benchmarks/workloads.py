@@ -11,12 +11,20 @@ Metric formulas (all counted from the host metadata, never from the kernel):
 
 * useful causal FLOPs  = 4 · Σ visible (query, key) pairs · head_dim · num_q_heads
   (request b with ``q_len`` new tokens after ``ctx = seq_len - q_len`` cached ones sees
-  ``q_len·ctx + q_len·(q_len+1)/2`` pairs; prefill is ``ctx = 0``, decode ``q_len = 1``)
-* K/V bytes            = Σ seq_len · num_kv_heads · head_dim · 2 (K and V) · itemsize  +  q bytes  +  out bytes
+  ``q_len·ctx + q_len·(q_len+1)/2`` pairs; prefill is ``ctx = 0``, decode ``q_len = 1``; with a left window
+  ``left``, the query at position ``p`` sees ``min(p + 1, left + 1)`` keys)
+* K/V bytes            = Σ keys read · num_kv_heads · head_dim · 2 (K and V) · itemsize  +  q bytes  +  out bytes
+  (keys read = ``seq_len``, or with a left window ``min(seq_len, q_len + left)``: the keys inside some query's
+  window; a windowed decode reads ``min(seq_len, left + 1)``)
 * sparse MLA FLOPs     = Σ_tokens Σ_valid-indices (2 · H · 576  +  2 · H · 512)      (QKᵀ over 576, PV over 512)
 * sparse gathered bytes = Σ_tokens Σ_valid-indices 576 · itemsize
 
-Every standard workload has a ``--tiny`` twin (same structure, a few dozen tokens, 4 query heads) so the whole
+A spec also carries the model-family features of docs/design.md#model-family-features (``window_size``,
+``softcap``, ``sinks`` and ``alibi`` on/off; the f32[num_q_heads] sinks and slopes are drawn in
+:func:`build_arrays`), and may name a ``twin``: the workload of the same run it is measured against (W1 against
+the same batch at a short context, W2 against P2).
+
+Every workload has a ``--tiny`` twin (same structure, a few dozen tokens, 4 query heads) so the whole
 harness runs on CPU in interpret mode in seconds. Beside the standard workloads, :data:`FAMILIES` holds grids run on
 demand (``--family NAME``): the split-KV sweep, the prefill shapes the default-backend rule is set on, and sparse
 decode batches of other sizes.
@@ -32,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 L2_BYTES = 50 * 2**20  # H200 L2 (50 MB): smaller inputs are rotated between several sets when timed
+MAX_INPUT_BYTES = 40 * 2**30  # all input sets of a workload together (an H200 holds 141 GB)
 
 
 # ----------------------------------------------------------------------------------------------- spec as data
@@ -64,6 +73,11 @@ class Spec:
     units: the derived metrics reported, primary first.
     family: "" for the standard workloads, else the :data:`FAMILIES` grid the workload belongs to (anchors and the
     jnp floor run on the standard workloads only).
+    window_size, softcap, sinks, alibi: the model-family features every call of the workload uses
+    (docs/design.md#model-family-features): ``window_size=(left, right)`` (-1: unbounded), ``softcap`` (0: off),
+    ``sinks`` / ``alibi``: pass f32[num_q_heads] sinks / ALiBi slopes, drawn by :func:`build_arrays`.
+    twin: the id of the workload whose row of the same implementation and unit divides this one's metric
+    (``ratio_to_twin``); the harness runs the twin whenever this workload runs.
     """
     id: str
     kind: str
@@ -79,10 +93,50 @@ class Spec:
     kv_lora_rank: int = 512  # sparse only: value dims (the first kv_lora_rank of head_dim)
     units: tuple[str, ...] = ("TFLOP/s",)
     family: str = ""
+    window_size: tuple[int, int] = (-1, -1)  # (left, right); -1 means unbounded
+    softcap: float = 0.0  # 0 means off
+    sinks: bool = False
+    alibi: bool = False
+    twin: str = ""
 
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The model-family features in use, by keyword of the public functions (:data:`FEATURE_KWARGS`)."""
+        used = {"window_size": self.window_size != (-1, -1), "softcap": bool(self.softcap),
+                "alibi_slopes": self.alibi, "sinks": self.sinks}
+        return frozenset(k for k, on in used.items() if on)
+
+    def feature_kwargs(self, arrays: dict) -> dict:
+        """The keyword arguments of the features in use, for a kernel or a reference call (``arrays`` from
+        :func:`build_arrays` holds the sinks and slopes); an empty dict for a workload without features."""
+        values = {"window_size": self.window_size, "softcap": float(self.softcap),
+                  "alibi_slopes": arrays.get("alibi_slopes"), "sinks": arrays.get("sinks")}
+        return {k: values[k] for k in sorted(self.features)}
+
+    @property
+    def window_left(self) -> int:
+        return self.window_size[0]
+
+
+# The model-family keywords of varlen_attention, paged_decode_attention and paged_attention, and the Spec field
+# (or --variant key) that sets each.
+FEATURE_KWARGS = {"window_size": "window_size", "softcap": "softcap", "alibi_slopes": "alibi", "sinks": "sinks"}
+
+
+def _gpt_oss_decode(ctx: int, window: int, batch: int, shapes: dict) -> tuple[Spec, Spec]:
+    """W1: gpt-oss-shaped decode (sliding window, sinks) at a long context, and W1-short, the same batch at a
+    context of one window: W1's ``ratio_to_twin`` is then the cost of the long context beyond its window (1 at
+    best; both read the same bytes)."""
+    def spec(wid, n, what):
+        return Spec(wid, "decode", what, (Group((n,) * batch, 1),), window_size=(window - 1, 0), sinks=True,
+                    units=("GB/s",), twin="W1-short" if wid == "W1" else "", **shapes)
+
+    return (spec("W1-short", window, f"W1 at ctx {window}: {batch} requests, sliding window {window}, sinks"),
+            spec("W1", ctx, f"gpt-oss-shaped decode, {batch} requests ctx {ctx}, sliding window {window}, sinks"))
 
 
 _P1_LENS = (8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256)
@@ -102,6 +156,10 @@ WORKLOADS: dict[str, Spec] = {s.id: s for s in [
     Spec("S1", "sparse", "sparse MLA decode, 64 requests ctx 32768, top-k 2048, 128 heads, 576/512",
          (Group((32768,) * 64, 1),), num_q_heads=128, num_kv_heads=1, head_dim=576, block_size=64, topk=2048,
          units=("TFLOP/s", "GB/s")),
+    # model-family workloads (not in the default run; --only W1,W2 runs them and their twins)
+    *_gpt_oss_decode(32768, 128, 64, dict(num_q_heads=64, num_kv_heads=8, head_dim=64)),
+    Spec("W2", "prefill", "Mistral-shaped prefill, one request of 32768, sliding window 4096", (Group((32768,)),),
+         window_size=(4095, 0), twin="P2"),
 ]}
 
 _TINY = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
@@ -115,6 +173,8 @@ TINY_WORKLOADS: dict[str, Spec] = {s.id: s for s in [
          units=("GB/s", "TFLOP/s"), **_TINY),
     Spec("S1", "sparse", "tiny sparse MLA decode", (Group((128,) * 2, 1),), num_q_heads=16, num_kv_heads=1,
          head_dim=576, block_size=16, topk=64, units=("TFLOP/s", "GB/s")),
+    *_gpt_oss_decode(96, 16, 4, _TINY),
+    Spec("W2", "prefill", "tiny windowed prefill", (Group((96,)),), window_size=(31, 0), twin="P2", **_TINY),
 ]}
 
 SPLIT_SWEEP_BATCHES = (1, 4, 16, 64)
@@ -248,8 +308,17 @@ class HostBatch:
 
     # ---- derived metrics -------------------------------------------------------------------------------------
     def visible_pairs(self) -> int:
-        q, ctx = self.q_lens.astype(np.int64), self.context_lens.astype(np.int64)
-        return int(np.sum(q * ctx + q * (q + 1) // 2))
+        """Σ over queries of the keys each sees: positions ``ctx .. seq_len - 1``, the query at ``p`` seeing
+        ``p + 1`` keys, or ``min(p + 1, left + 1)`` with a left window (causal: a right window changes nothing)."""
+        seq, ctx = self.seq_lens.astype(np.int64), self.context_lens.astype(np.int64)
+        return int(np.sum(_keys_before(seq, self.spec.window_left) - _keys_before(ctx, self.spec.window_left)))
+
+    def keys_read(self) -> np.ndarray:
+        """i64[num_seqs]: keys inside some query's window, those a kernel must read (``seq_len`` without a left
+        window, else ``min(seq_len, q_len + left)``)."""
+        seq = self.seq_lens.astype(np.int64)
+        left = self.spec.window_left
+        return seq if left < 0 else np.minimum(seq, self.q_lens.astype(np.int64) + left)
 
     def flops(self) -> float:
         s = self.spec
@@ -263,7 +332,7 @@ class HostBatch:
         item = s.jnp_dtype.itemsize
         if s.kind == "sparse":
             return float(int(np.sum(self.topk_indices >= 0)) * s.head_dim * item)
-        kv = int(np.sum(self.seq_lens.astype(np.int64))) * s.num_kv_heads * s.head_dim * 2 * item
+        kv = int(np.sum(self.keys_read())) * s.num_kv_heads * s.head_dim * 2 * item
         q_out = 2 * self.num_tokens * s.num_q_heads * s.head_dim * item
         return float(kv + q_out)
 
@@ -274,8 +343,9 @@ class HostBatch:
             return self.bytes_moved() / seconds / 1e9
         raise ValueError(f"unknown {unit=}")
 
-    def input_bytes(self) -> int:
-        """Bytes of the device inputs (decides whether timing rotates input sets)."""
+    def input_bytes(self, touched: bool = False) -> int:
+        """Bytes of the device inputs; ``touched``: only those a call reads (the K/V pages inside the windows),
+        which decide whether timing rotates input sets."""
         s = self.spec
         item = s.jnp_dtype.itemsize
         q = self.num_tokens * s.num_q_heads * s.head_dim * item
@@ -283,7 +353,20 @@ class HostBatch:
             return q + 2 * self.num_tokens * s.num_kv_heads * s.head_dim * item
         if s.kind == "sparse":
             return q + self.num_pages * s.block_size * s.head_dim * item
-        return q + 2 * self.num_pages * s.block_size * s.num_kv_heads * s.head_dim * item
+        pages = self.num_pages
+        if touched and s.window_left >= 0:  # the pages of each request's keys_read, a window straddling one more
+            pages = int(np.sum(np.minimum(-(-self.seq_lens // s.block_size), -(-self.keys_read() // s.block_size) + 1)))
+        return q + 2 * pages * s.block_size * s.num_kv_heads * s.head_dim * item
+
+
+def _keys_before(n: np.ndarray, left: int) -> np.ndarray:
+    """Σ_{p < n} keys seen by the query at position p: ``n(n+1)/2``, or with a left window ``min(p + 1, left + 1)``
+    summed: ``L(L+1)/2 + (n - L)·L`` past ``L = left + 1``."""
+    full = n * (n + 1) // 2
+    if left < 0:
+        return full
+    w = left + 1
+    return np.where(n <= w, full, w * (w + 1) // 2 + (n - w) * w)
 
 
 def _lengths(group: Group, rng: np.random.Generator) -> np.ndarray:
@@ -356,6 +439,8 @@ class Batch:
                context_lens i32[B]
       ragged:  q [T, Hq, D], k_cache/v_cache, block_tables, seq_lens i32[B], cu_query_lens i32[B+1]
       sparse:  q [T, H, 576], kv_cache [num_pages, block_size, 576], block_tables, topk_indices i32[T, topk]
+      and, for every kind, sinks f32[Hq] and alibi_slopes f32[Hq] (passed only where the spec, or a ``--variant``,
+      turns them on: :meth:`Spec.feature_kwargs`)
     """
     host: HostBatch
     arrays: dict[str, jax.Array]
@@ -363,6 +448,11 @@ class Batch:
     @property
     def spec(self) -> Spec:
         return self.host.spec
+
+
+def with_spec(batch: Batch, spec: Spec) -> Batch:
+    """The same arrays under another spec of the same shapes (a ``--variant`` that turns a feature on)."""
+    return batch if spec == batch.spec else Batch(dataclasses.replace(batch.host, spec=spec), batch.arrays)
 
 
 def build_arrays(host: HostBatch, key: jax.Array) -> Batch:
@@ -398,18 +488,29 @@ def build_arrays(host: HostBatch, key: jax.Array) -> Batch:
         arrays["topk_indices"] = jnp.asarray(host.topk_indices)
     else:
         raise ValueError(f"unknown kind {s.kind!r}")
+    # from a key of their own, so that q, k and v stay those the same key gave before these existed
+    ks, ka = jax.random.split(jax.random.fold_in(key, 1))
+    arrays["sinks"] = jax.random.normal(ks, (s.num_q_heads,), jnp.float32)
+    # ALiBi's slopes lie in 2^-8 .. 2^-0.5 (the geometric sequence's range for 8 to 64 heads), here drawn
+    arrays["alibi_slopes"] = 2.0 ** -jax.random.uniform(ka, (s.num_q_heads,), jnp.float32, 0.5, 8.0)
     return Batch(host, arrays)
 
 
-def num_input_sets(host: HostBatch, l2_bytes: int = L2_BYTES, max_sets: int = 32) -> int:
-    """1 when the inputs overflow L2; otherwise enough sets (≥ 2) that one round over them moves ≥ 2× L2."""
-    size = max(1, host.input_bytes())
+def num_input_sets(host: HostBatch, l2_bytes: int = L2_BYTES, max_sets: int = 32,
+                   max_total_bytes: int = MAX_INPUT_BYTES) -> int:
+    """1 when what a call reads overflows L2; otherwise enough sets (≥ 2) that one round over them moves ≥ 2× L2,
+    as long as all sets together stay within ``max_total_bytes`` (a windowed decode reads a few pages of a large
+    pool: W1 holds 4.3 GB of pages per set and reads 17 MB of them)."""
+    size = max(1, host.input_bytes(touched=True))
     if size >= l2_bytes:
         return 1
-    return int(min(max_sets, max(2, math.ceil(2 * l2_bytes / size))))
+    sets = int(min(max_sets, max(2, math.ceil(2 * l2_bytes / size))))
+    return max(1, min(sets, max_total_bytes // max(1, host.input_bytes())))
 
 
 def describe(host: HostBatch) -> str:
     s = host.spec
+    features = ", ".join(f"{k}={v}" for k, v in s.feature_kwargs({"alibi_slopes": "on", "sinks": "on"}).items())
     return (f"{s.id}: {s.what}; B={host.num_seqs} T={host.num_tokens} Hq={s.num_q_heads} Hkv={s.num_kv_heads} "
-            f"D={s.head_dim} {s.dtype}" + (f" pages={host.num_pages}x{s.block_size}" if host.paged else ""))
+            f"D={s.head_dim} {s.dtype}" + (f" pages={host.num_pages}x{s.block_size}" if host.paged else "")
+            + (f" ({features})" if features else ""))

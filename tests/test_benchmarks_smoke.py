@@ -65,11 +65,80 @@ def test_variant_parsing_and_config_fields():
     assert variants.accepts(p1, triton) and variants.accepts(s1, triton)
     with pytest.raises(ValueError, match="no field"):
         variants.resolve(p1, variants.parse("bad:config.nope=1"))
-    for bad in ("noname", "a/b:x=1", "n:config=3", "n:other.x=1", "n:x"):
+    feats = variants.parse("f:window_size=127/0,softcap=50,sinks=1,alibi=true")
+    assert dict(feats.features) == {"window_size": (127, 0), "softcap": 50.0, "sinks": True, "alibi": True}
+    assert feats.kwargs == () and variants.accepts(d1, feats) and variants.accepts(p1, feats)
+    assert not variants.accepts(s1, feats)  # sparse_mla_attention takes no window
+    for bad in ("noname", "a/b:x=1", "n:config=3", "n:other.x=1", "n:x", "n:window_size=3", "n:sinks=2",
+                "n:alibi_slopes=1", "n:softcap=x"):
         with pytest.raises(ValueError):
             variants.parse(bad)
     with pytest.raises(ValueError, match="already"):
         variants.make_impls(["triton:backend=triton"], {"pallas_attn/triton"})
+
+
+@pytest.fixture
+def default_row_and_floor(monkeypatch):
+    """Only the ``pallas_attn`` row and the jnp floor (keeps interpreted runs to seconds)."""
+    from benchmarks import anchors, impls
+    picked = [impls.OUR_IMPLS[0], *(i for i in anchors.ANCHORS if i.name == "jnp")]
+    monkeypatch.setattr(run.impls_lib, "all_impls", lambda: list(picked))
+
+
+def test_tiny_model_family_workloads_run_with_their_twins(tmp_path, default_row_and_floor):
+    assert run.main(["--tiny", "--only", "W1,W2", "--out", str(tmp_path), "--no-plots", "--target-s", "0.005"]) == 0
+    (path,) = tmp_path.glob("*-tiny.json")
+    rows = {(r["workload"], r["impl"]): r for r in json.loads(path.read_text()) if r["workload"] != "ceiling"}
+    assert set(rows) == {(w, i) for w in ("W1-short", "W1", "P2", "W2") for i in ("pallas_attn", "jnp")}
+    for (workload, impl), r in rows.items():
+        assert r["error"] is None and r["rel_err"] < 2e-2, (workload, impl, r["error"], r["rel_err"])
+    w1, w2 = rows[("W1", "pallas_attn")], rows[("W2", "jnp")]
+    assert w1["features"] == {"sinks": True, "window_size": [15, 0]} and w2["features"] == {"window_size": [31, 0]}
+    assert w1["twin"] == {"workload": "W1-short", "impl": "pallas_attn"} and w2["twin"]["workload"] == "P2"
+    twin = rows[("W1-short", "pallas_attn")]
+    assert w1["ratio_to_twin"] == pytest.approx(w1["metric"] / twin["metric"])
+    assert w2["ratio_to_twin"] == pytest.approx(w2["metric"] / rows[("P2", "jnp")]["metric"])
+    assert "features" not in rows[("P2", "pallas_attn")] and rows[("P2", "pallas_attn")]["ratio_to_twin"] is None
+
+
+def test_windowed_metrics_count_what_the_window_leaves():
+    import numpy as np
+
+    from benchmarks import workloads as wl
+    w1, short = (wl.build_host(wl.WORKLOADS[i]) for i in ("W1", "W1-short"))
+    assert np.all(w1.keys_read() == 128) and w1.bytes_moved() == short.bytes_moved()  # min(ctx, window) keys
+    assert w1.visible_pairs() == 64 * 128 and wl.num_input_sets(w1) > 1  # reads 17 MB of a 4.3 GB pool
+    w2, p2 = (wl.build_host(wl.WORKLOADS[i]) for i in ("W2", "P2"))
+    brute = sum(min(p + 1, 4096) for p in range(32768))
+    assert w2.visible_pairs() == brute and p2.visible_pairs() == 32768 * 32769 // 2
+    assert w2.flops() == 4 * brute * 128 * 32
+
+
+def test_anchors_without_the_features_do_not_run_on_them():
+    from benchmarks import impls, variants, workloads as wl
+    every = {i.name: i for i in impls.all_impls()}
+    for wid in ("W1", "W2"):
+        spec = wl.WORKLOADS[wid]
+        served = {n for n, i in every.items() if i.serves(spec)}
+        assert "jnp" in served and "pallas_attn" in served
+        assert not any(every[n].anchor for n in served - {"jnp"}), served
+    p1 = wl.WORKLOADS["P1"]
+    mosaic = every["pallas_attn/mosaic"]
+    assert mosaic.unsupported(wl.WORKLOADS["W2"]) == {"window_size"}
+    sinks = variants.make_impl(variants.parse("sinks:sinks=1"))
+    assert sinks.spec_for(p1).features == {"sinks"} and sinks.twin_impl(p1) == "pallas_attn/triton"
+    assert not every["cudnn"].serves(sinks.spec_for(p1))
+
+
+def test_feature_variant_runs_against_the_plain_row(tmp_path, default_row_and_floor):
+    assert run.main(["--tiny", "--only", "D1", "--impl", "pallas_attn", "--variant", "softcap:softcap=50",
+                     "--out", str(tmp_path), "--no-plots", "--target-s", "0.005"]) == 0
+    (path,) = tmp_path.glob("*-tiny.json")
+    rows = {r["impl"]: r for r in json.loads(path.read_text()) if r["workload"] == "D1"}
+    assert set(rows) == {"pallas_attn", "pallas_attn/softcap"}
+    softcap = rows["pallas_attn/softcap"]
+    assert softcap["error"] is None and softcap["rel_err"] < 2e-2 and softcap["features"] == {"softcap": 50.0}
+    assert softcap["ratio_to_twin"] == pytest.approx(softcap["metric"] / rows["pallas_attn"]["metric"])
 
 
 def test_budget_skips_and_says_so(tmp_path, capsys):

@@ -32,7 +32,11 @@ def kwargs(text: str, s: wl.Spec) -> dict:
     as ``--variant`` resolves them."""
     if text.strip() in ("", "default"):
         return {}
-    return variants.resolve(s, variants.parse(f"lab:{text}"))
+    variant = variants.parse(f"lab:{text}")
+    if variant.features:  # they change the workload, not the call: the harness's --variant runs them
+        raise SystemExit(f"{text!r}: model-family keys ({', '.join(k for k, _ in variant.features)}) are "
+                         "benchmarks.run --variant's, not the lab's")
+    return variants.resolve(s, variant)
 
 
 def ours(b: wl.Batch, kw: dict) -> impls.Prepared:

@@ -1,0 +1,267 @@
+"""Two small models served end to end, the way an engine runs them, against the same models written densely.
+
+* **gpt-oss-shaped**: head_dim 64, a learned sink per query head and layer, a sliding window on alternate layers
+  (full causal attention on the others).
+* **Gemma-2-shaped**: head_dim 256, attention logits soft-capped at 50, a sliding window on alternate layers.
+
+Both are 2-layer Llama-style decoders (RMSNorm, RoPE, grouped-query attention with 4 query heads over 2 KV heads, a
+SwiGLU MLP, vocabulary 64) with random weights, in float32: the shapes and attention features of the two families,
+not the rest of their blocks. The window is 8 tokens (the query and the 7 before it: gpt-oss'
+``sliding_window=128`` at these lengths), so that it cuts the ~20-token prompts.
+
+**Engine**: two prompts of different lengths packed into one token tensor and prefilled with ``varlen_attention``
+(``cu_seqlens``) with each layer's features; every layer's K/V written by ``write_kv_cache`` into its own paged cache
+(block size 16, non-contiguous pages, every page no request owns filled with NaN); then one token per request per
+step through ``paged_decode_attention`` with the same features. **Dense**: each request alone, its whole sequence
+recomputed for every new token, with attention as the definitions of docs/design.md#model-family-features read:
+plain softmax over masked, soft-capped scores, the sink one more logit with no value. No kernel, no reference.
+
+Greedy decoding must pick the same tokens, and the logits of every step agree to a relative L2 of 1e-4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_attn
+from pallas_attn.testing import relative_l2
+
+
+# ------------------------------------------------------------------------------------------------- the model
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    head_dim: int
+    windows: tuple[int, ...]  # per layer: sliding window in tokens (the query and the keys before it); 0: full causal
+    softcap: float = 0.0  # soft-cap of the attention logits (Gemma 2); 0: off
+    sinks: bool = False  # a learned sink logit per query head and layer (gpt-oss)
+    qk_gain: float = 1.0  # scale of the q/k projections at init: large enough logits for the soft-cap to bend
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    vocab: int = 64
+    d_model: int = 64
+    d_ff: int = 128
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.windows)
+
+
+GPT_OSS = ModelConfig(head_dim=64, windows=(8, 0), sinks=True)
+GEMMA2 = ModelConfig(head_dim=256, windows=(8, 0), softcap=50.0, qk_gain=4.0)
+ROPE_THETA, EPS = 10000.0, 1e-6
+
+
+def init_params(cfg: ModelConfig, key) -> dict:
+    keys = iter(jax.random.split(key, 2 + 8 * cfg.num_layers))
+
+    def w(shape, gain=1.0):
+        return jax.random.normal(next(keys), shape, jnp.float32) * gain * shape[0] ** -0.5
+
+    hq, hkv, d = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.d_model
+    layers = [dict(attn_norm=jnp.ones(d), wq=w((d, hq), cfg.qk_gain), wk=w((d, hkv), cfg.qk_gain), wv=w((d, hkv)),
+                   wo=w((hq, d)), mlp_norm=jnp.ones(d), w_gate=w((d, cfg.d_ff)), w_up=w((d, cfg.d_ff)),
+                   w_down=w((cfg.d_ff, d)), sinks=jax.random.normal(next(keys), (cfg.num_q_heads,), jnp.float32))
+              for _ in range(cfg.num_layers)]
+    return dict(embed=jax.random.normal(next(keys), (cfg.vocab, d), jnp.float32), layers=layers,
+                final_norm=jnp.ones(d), lm_head=w((d, cfg.vocab)))
+
+
+def rms_norm(x, weight):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS) * weight
+
+
+def rope(x, positions):  # x [T, H, D], positions i32[T] (absolute, per request)
+    d = x.shape[-1]
+    inv_freq = ROPE_THETA ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angle = positions[:, None].astype(jnp.float32) * inv_freq  # [T, D/2]
+    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def forward(params, cfg: ModelConfig, tokens, positions, attend):
+    """tokens, positions: i32[T] packed rows -> logits f32[T, vocab]. ``attend(layer, q [T, Hq, D], k [T, Hkv, D],
+    v)`` is the one thing the engine and the dense model do differently."""
+    x = params["embed"][tokens]
+    for i, p in enumerate(params["layers"]):
+        h = rms_norm(x, p["attn_norm"])
+        q = rope((h @ p["wq"]).reshape(-1, cfg.num_q_heads, cfg.head_dim), positions)
+        k = rope((h @ p["wk"]).reshape(-1, cfg.num_kv_heads, cfg.head_dim), positions)
+        v = (h @ p["wv"]).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        x = x + attend(i, q, k, v).reshape(-1, cfg.num_q_heads * cfg.head_dim) @ p["wo"]
+        h = rms_norm(x, p["mlp_norm"])
+        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return rms_norm(x, params["final_norm"]) @ params["lm_head"]
+
+
+def kernel_features(params, cfg: ModelConfig, layer: int) -> dict:
+    """The layer's model-family keywords, as varlen_attention and paged_decode_attention take them."""
+    window = cfg.windows[layer]
+    return dict(window_size=(window - 1, 0) if window else (-1, -1), softcap=cfg.softcap,
+                sinks=params["layers"][layer]["sinks"] if cfg.sinks else None)
+
+
+# ------------------------------------------------------------------------------------------------- dense
+def dense_attention(q, k, v, *, window: int, softcap: float, sinks):
+    """One request, all of it: q [S, Hq, D], k, v [S, Hkv, D] -> [S, Hq, D]. Query i sees keys j <= i, and with a
+    window only i - j < window; scores soft-capped; a sink is one more logit in the softmax, with no value."""
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # query head h reads kv head h // group
+    s = jnp.einsum("ihd,jhd->hij", q, k) * d ** -0.5
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    visible = (j <= i) & ((i - j < window) if window else True)
+    s = jnp.where(visible, s, -jnp.inf)
+    if sinks is not None:  # [Hq, S, S + 1]: the sink's column joins the softmax, then is dropped
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks[:, None, None], (hq, n, 1))], axis=-1)
+    p = jax.nn.softmax(s, axis=-1)[..., :n]
+    return jnp.einsum("hij,jhd->ihd", p, v)
+
+
+DENSE_LEN = 32  # every sequence zero-padded to one length (one compile); causality keeps the tail out of real rows
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def dense_logits(params, cfg: ModelConfig, tokens):  # tokens i32[DENSE_LEN] -> logits of every row
+    def attend(i, q, k, v):
+        return dense_attention(q, k, v, window=cfg.windows[i], softcap=cfg.softcap,
+                               sinks=params["layers"][i]["sinks"] if cfg.sinks else None)
+
+    return forward(params, cfg, tokens, jnp.arange(DENSE_LEN, dtype=jnp.int32), attend)
+
+
+def dense_generate(params, cfg: ModelConfig, prompt, new_tokens: int):
+    """Greedy: the new tokens and the logits that chose each, f32[new_tokens, vocab]."""
+    seq, logits = list(prompt), []
+    for _ in range(new_tokens):
+        row = dense_logits(params, cfg, jnp.asarray(seq + [0] * (DENSE_LEN - len(seq)), jnp.int32))[len(seq) - 1]
+        logits.append(row)
+        seq.append(int(jnp.argmax(row)))
+    return seq[len(prompt):], jnp.stack(logits)
+
+
+# ------------------------------------------------------------------------------------------------- engine
+BLOCK_SIZE = 16
+NUM_BLOCKS = 8
+TABLES = np.array([[5, 2], [0, 6]], np.int32)  # request 0: pages 5 then 2; request 1: pages 0 then 6
+FREE_PAGES = np.array([1, 3, 4, 7])  # no request owns them: NaN, so a read that leaks shows in the logits
+
+
+def empty_caches(cfg: ModelConfig):
+    """One (k_cache, v_cache) per layer, [NUM_BLOCKS, BLOCK_SIZE, Hkv, D], the free pages poisoned."""
+    caches = []
+    for _ in range(cfg.num_layers):
+        k, v = pallas_attn.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+        caches.append((k.at[FREE_PAGES].set(jnp.nan), v.at[FREE_PAGES].set(jnp.nan)))
+    return caches
+
+
+def serve(params, cfg: ModelConfig, prompts, new_tokens: int, on_step=None):
+    """Packed prefill, then ``new_tokens - 1`` decode steps over the paged caches, greedy. Returns the new tokens
+    and the logits that chose them, per request. ``on_step(step)`` runs after the prefill (step 0) and each decode
+    step."""
+    n = len(prompts)
+    lens = np.array([len(p) for p in prompts])
+    assert np.all(-(-(lens + new_tokens) // BLOCK_SIZE) <= TABLES.shape[1]), "the tables hold every token"
+    caches = empty_caches(cfg)
+
+    # prefill: the prompts packed (bucketed to md.num_tokens rows; padding rows have slot -1, skipped by the write)
+    md = pallas_attn.build_metadata(lens, np.zeros(n, np.int64), BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                                    block_tables=TABLES)
+    real = int(md.cu_query_lens[-1])
+    tokens = np.zeros(md.num_tokens, np.int32)
+    tokens[:real] = np.concatenate(prompts)
+    positions = np.zeros(md.num_tokens, np.int32)
+    positions[:real] = np.concatenate([np.arange(length) for length in lens])
+
+    def prefill_attend(layer, q, k, v):
+        caches[layer] = pallas_attn.write_kv_cache(*caches[layer], k, v, md.slot_mapping)
+        return pallas_attn.varlen_attention(q, k, v, md.cu_query_lens, max_seqlen=md.max_query_len,
+                                            **kernel_features(params, cfg, layer))
+
+    logits = forward(params, cfg, tokens, positions, prefill_attend)[md.cu_query_lens[1:n + 1] - 1]
+    step_logits = [logits]
+    if on_step:
+        on_step(0)
+
+    # decode: one token per request per step, at position = tokens cached before it
+    cached = lens.copy()
+    for step in range(1, new_tokens):
+        md = pallas_attn.build_metadata(np.ones(n, np.int64), cached, BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                                        block_tables=TABLES, num_seqs=n, num_tokens=n)
+
+        def decode_attend(layer, q, k, v, md=md):
+            caches[layer] = pallas_attn.write_kv_cache(*caches[layer], k, v, md.slot_mapping)
+            return pallas_attn.paged_decode_attention(q, *caches[layer], md.block_tables, md.seq_lens,
+                                                      **kernel_features(params, cfg, layer))
+
+        next_tokens = jnp.argmax(step_logits[-1], axis=-1).astype(jnp.int32)
+        step_logits.append(forward(params, cfg, next_tokens, jnp.asarray(cached, jnp.int32), decode_attend))
+        cached = cached + 1
+        if on_step:
+            on_step(step)
+    logits = jnp.stack(step_logits, axis=1)  # [n, new_tokens, vocab]
+    tokens = np.asarray(jnp.argmax(logits, axis=-1))
+    return [tokens[i].tolist() for i in range(n)], [logits[i] for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------- tests
+NEW_TOKENS = 6
+
+
+def _prompts(cfg: ModelConfig):
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, cfg.vocab, length).astype(np.int32) for length in (21, 13)]
+
+
+@pytest.mark.parametrize("cfg", [GPT_OSS, GEMMA2], ids=["gpt-oss", "gemma2"])
+def test_engine_generates_the_dense_models_tokens(cfg):
+    params = init_params(cfg, jax.random.key(0))
+    prompts = _prompts(cfg)
+    engine_tokens, engine_logits = serve(params, cfg, prompts, NEW_TOKENS)
+    for prompt, tokens, logits in zip(prompts, engine_tokens, engine_logits):
+        dense_tokens, dense = dense_generate(params, cfg, prompt, NEW_TOKENS)
+        assert tokens == dense_tokens
+        for step in range(NEW_TOKENS):
+            assert relative_l2(logits[step], dense[step]) < 1e-4, step
+
+
+@pytest.mark.parametrize("cfg, off", [(GPT_OSS, dict(windows=(0, 0))), (GPT_OSS, dict(sinks=False)),
+                                      (GEMMA2, dict(windows=(0, 0))), (GEMMA2, dict(softcap=0.0))],
+                         ids=["gpt-oss-window", "gpt-oss-sinks", "gemma2-window", "gemma2-softcap"])
+def test_each_feature_changes_the_dense_model(cfg, off):
+    """The comparison above would not notice a feature the kernels ignore unless the feature matters here."""
+    params = init_params(cfg, jax.random.key(0))
+    prompt = _prompts(cfg)[0]
+    _, with_it = dense_generate(params, cfg, prompt, NEW_TOKENS)
+    _, without = dense_generate(params, dataclasses.replace(cfg, **off), prompt, NEW_TOKENS)
+    assert relative_l2(without, with_it) > 1e-2
+
+
+def _jitted(fn):
+    """The jitted function behind the public wrappers (argument checks, renamed arguments)."""
+    while not hasattr(fn, "_cache_size"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def test_alternating_layers_compile_once_per_layer_kind():
+    """Three layers, windowed / full / windowed: each kernel compiles one program per layer kind, in the prefill and
+    in the first decode step, and none in the steps after (shapes bucketed, features static per layer, sinks data)."""
+    cfg = ModelConfig(head_dim=32, windows=(8, 0, 8), sinks=True, num_q_heads=2, num_kv_heads=1)  # shapes of its own
+    params = init_params(cfg, jax.random.key(1))
+    varlen, decode = _jitted(pallas_attn.varlen_attention), _jitted(pallas_attn.paged_decode_attention)
+    before = varlen._cache_size(), decode._cache_size()
+    programs = []
+    serve(params, cfg, _prompts(cfg), 3,
+          on_step=lambda step: programs.append((varlen._cache_size() - before[0], decode._cache_size() - before[1])))
+    kinds = len(set(cfg.windows))
+    assert programs == [(kinds, 0), (kinds, kinds), (kinds, kinds)]  # after the prefill, then each decode step
