@@ -12,7 +12,8 @@ not the rest of their blocks. The window is 8 tokens (the query and the 7 before
 **Engine**: two prompts of different lengths packed into one token tensor and prefilled with ``varlen_attention``
 (``cu_seqlens``) with each layer's features; every layer's K/V written by ``write_kv_cache`` into its own paged cache
 (block size 16, non-contiguous pages, every page no request owns filled with NaN); then one token per request per
-step through ``paged_decode_attention`` with the same features. **Dense**: each request alone, its whole sequence
+step through ``paged_decode_attention`` with the same features; or everything through ``paged_attention``, the
+prompts in two chunks. **Dense**: each request alone, its whole sequence
 recomputed for every new token, with attention as the definitions of docs/design.md#model-family-features read:
 plain softmax over masked, soft-capped scores, the sink one more logit with no value. No kernel, no reference.
 
@@ -213,6 +214,42 @@ def serve(params, cfg: ModelConfig, prompts, new_tokens: int, on_step=None):
     return [tokens[i].tolist() for i in range(n)], [logits[i] for i in range(n)]
 
 
+def serve_ragged(params, cfg: ModelConfig, prompts, new_tokens: int):
+    """The same requests through ``paged_attention`` alone, as a scheduler with a token budget runs them: the
+    prompts in two chunks (the second attends to the first from the cache: chunked prefill over a prefix the
+    window partly leaves behind), then one token per request per step. Returns what :func:`serve` returns."""
+    n = len(prompts)
+    caches = empty_caches(cfg)
+    cached = np.zeros(n, np.int64)
+
+    def step(chunks):  # chunks: the new tokens of each request -> logits of each request's last one
+        nonlocal cached
+        q_lens = np.array([len(c) for c in chunks])
+        md = pallas_attn.build_metadata(q_lens, cached, BLOCK_SIZE, num_blocks=NUM_BLOCKS, block_tables=TABLES)
+        real = int(md.cu_query_lens[-1])
+        tokens = np.zeros(md.num_tokens, np.int32)
+        tokens[:real] = np.concatenate(chunks)
+        positions = np.zeros(md.num_tokens, np.int32)
+        positions[:real] = np.concatenate([np.arange(c, c + q) for c, q in zip(cached, q_lens)])
+
+        def attend(layer, q, k, v):
+            caches[layer] = pallas_attn.write_kv_cache(*caches[layer], k, v, md.slot_mapping)
+            return pallas_attn.paged_attention(q, *caches[layer], md.block_tables, md.seq_lens, md.cu_query_lens,
+                                               max_query_len=md.max_query_len, **kernel_features(params, cfg, layer))
+
+        cached = cached + q_lens
+        return forward(params, cfg, tokens, positions, attend)[md.cu_query_lens[1:n + 1] - 1]
+
+    step([p[:10] for p in prompts])
+    step_logits = [step([p[10:] for p in prompts])]
+    for _ in range(1, new_tokens):
+        step_logits.append(step([np.asarray(jnp.argmax(step_logits[-1], axis=-1), np.int32)[i:i + 1]
+                                 for i in range(n)]))
+    logits = jnp.stack(step_logits, axis=1)  # [n, new_tokens, vocab]
+    tokens = np.asarray(jnp.argmax(logits, axis=-1))
+    return [tokens[i].tolist() for i in range(n)], [logits[i] for i in range(n)]
+
+
 # ------------------------------------------------------------------------------------------------- tests
 NEW_TOKENS = 6
 
@@ -222,11 +259,12 @@ def _prompts(cfg: ModelConfig):
     return [rng.integers(1, cfg.vocab, length).astype(np.int32) for length in (21, 13)]
 
 
+@pytest.mark.parametrize("engine", [serve, serve_ragged], ids=["varlen+decode", "ragged"])
 @pytest.mark.parametrize("cfg", [GPT_OSS, GEMMA2], ids=["gpt-oss", "gemma2"])
-def test_engine_generates_the_dense_models_tokens(cfg):
+def test_engine_generates_the_dense_models_tokens(cfg, engine):
     params = init_params(cfg, jax.random.key(0))
     prompts = _prompts(cfg)
-    engine_tokens, engine_logits = serve(params, cfg, prompts, NEW_TOKENS)
+    engine_tokens, engine_logits = engine(params, cfg, prompts, NEW_TOKENS)
     for prompt, tokens, logits in zip(prompts, engine_tokens, engine_logits):
         dense_tokens, dense = dense_generate(params, cfg, prompt, NEW_TOKENS)
         assert tokens == dense_tokens
