@@ -44,6 +44,37 @@ def test_allocate_kv_cache_rejects(bad):
         allocate_kv_cache(**args)
 
 
+@pytest.mark.parametrize("block_size", [48, 544, 1024])
+def test_allocate_kv_cache_any_multiple_of_16(block_size):
+    assert allocate_kv_cache(2, block_size, 1, 320, jnp.float32)[0].shape == (2, block_size, 1, 320)
+
+
+@pytest.mark.parametrize("block_size", [12, 24, 1040])
+def test_allocate_kv_cache_rejects_a_page_the_kernels_refuse(block_size):
+    with pytest.raises(ValueError, match=rf"block_size={block_size} \(tokens per page, cache axis 1\) unsupported; "
+                                         r"need a power of two up to 16 or a multiple of 16 up to 1024"):
+        allocate_kv_cache(2, block_size, 1, 8)
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(48, 320), (544, 512)])
+def test_write_and_gather_pages_of_any_multiple_of_16(block_size, head_dim):
+    """Pages of 48 and 544 tokens (not powers of two), heads of 320 and 512: the write lands where the slot formula
+    says, and each request reads back through its table."""
+    rng = np.random.default_rng(5)
+    query_lens, context_lens = [50, 1, 0, 600], [47, 543, 0, 0]  # across page ends
+    md = build_metadata(query_lens, context_lens, block_size, seed=6)
+    num_blocks = int(md.block_tables.max()) + 2
+    k_cache, v_cache = allocate_kv_cache(num_blocks, block_size, 1, head_dim, jnp.float32)
+    k = rng.standard_normal((md.num_tokens, 1, head_dim)).astype(np.float32)
+    want = write_by_loop(np.zeros(k_cache.shape, np.float32), k, md.slot_mapping)
+    new_k, new_v = write_kv_cache(k_cache, v_cache, k, -k, md.slot_mapping)
+    np.testing.assert_array_equal(new_k, want)
+    np.testing.assert_array_equal(new_v, -want)
+    for i, (n, c) in enumerate(zip(query_lens, context_lens)):
+        start = int(md.cu_query_lens[i])
+        np.testing.assert_array_equal(gather_kv(new_k, md.block_tables[i], c + n)[c:], k[start:start + n])
+
+
 @pytest.mark.parametrize("v_dim", [HEAD_DIM, 4])
 def test_write_matches_loop_and_skips_padding(v_dim):
     rng = np.random.default_rng(0)

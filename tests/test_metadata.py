@@ -42,7 +42,7 @@ def test_bucket():
     assert bucket(3, 16) == 16 and bucket(17, 16) == 32 and bucket(2, 5) == 8
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 48, 544])  # pages of 48 and 544: not powers of two
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_fields_and_slot_formula(name, block_size):
     query_lens, context_lens = SCENARIOS[name]
@@ -58,9 +58,11 @@ def test_fields_and_slot_formula(name, block_size):
     assert md.slot_mapping.shape == (md.num_tokens,)
     assert (md.slot_mapping[q.sum():] == -1).all()
     assert md.num_seqs == len(q) and md.query_lens.tolist() == q.tolist()
-    # Static maxima: powers of two bounding the batch; tables past each request's pages hold -1.
-    for value in (md.num_tokens, md.max_query_len, md.max_seq_len, md.max_blocks):
+    # Static maxima: powers of two bounding the batch (max_seq_len: or the table's capacity, which it never passes);
+    # tables past each request's pages hold -1.
+    for value in (md.num_tokens, md.max_query_len, md.max_blocks):
         assert value & (value - 1) == 0
+    assert md.max_seq_len & (md.max_seq_len - 1) == 0 or md.max_seq_len == md.max_blocks * block_size
     assert md.num_tokens >= max(q.sum(), 16) and md.max_query_len >= q.max()
     assert (q + c).max() <= md.max_seq_len <= md.max_blocks * block_size
     for i, s in enumerate(q + c):
@@ -170,6 +172,8 @@ ERRORS = {
     "block_size_not_pow2": (dict(block_size=12), ["block_size=12", "power of two"]),
     "block_size_zero": (dict(block_size=0), ["block_size=0", "power of two"]),
     "block_size_not_int": (dict(block_size=16.0), ["block_size=16.0", "int"]),
+    "block_size_not_multiple_of_16": (dict(block_size=40), ["block_size=40", "a multiple of 16 up to 1024"]),
+    "block_size_past_1024": (dict(block_size=1040), ["block_size=1040", "a multiple of 16 up to 1024"]),
     "num_blocks_negative": (dict(num_blocks=-1), ["num_blocks=-1", "non-negative"]),
     "max_blocks_not_int": (dict(max_blocks=2.5), ["max_blocks=2.5", "int"]),
     "pool_too_small": (dict(num_blocks=3), ["num_blocks=3", "needs 4"]),

@@ -26,7 +26,11 @@ CASES = {
     "head_dim": (lambda: v.check_head_dim("q", 20), ValueError, "head_dim=20 unsupported"),
     "head_dim_big": (lambda: v.check_head_dim("q", 264), ValueError, "head_dim=264 unsupported"),
     "gqa": (lambda: v.check_gqa(6, 4), ValueError, "num_q_heads=6 must be a positive multiple of num_kv_heads=4"),
-    "block_size": (lambda: v.check_block_size(512), ValueError, "block_size=512"),
+    "block_size": (lambda: v.check_block_size(24), ValueError,
+                   r"block_size=24 \(tokens per page, cache axis 1\) unsupported; need a power of two up to 16 or a "
+                   r"multiple of 16 up to 1024 \(e.g. 8, 16, 48, 544, 1024\)"),
+    "block_size_past_1024": (lambda: v.check_block_size(1040), ValueError, "block_size=1040 .* up to 1024"),
+    "block_size_zero": (lambda: v.check_block_size(0), ValueError, "block_size=0 .* unsupported"),
     "static_int_negative": (lambda: v.check_static_int("max_seqlen", np.int32(-1)), ValueError,
                             r"max_seqlen must be a static Python int >= 1; got max_seqlen=-1"),
     "static_int_zero": (lambda: v.check_static_int("max_query_len", 0), ValueError,
@@ -81,6 +85,8 @@ def test_rule_raises_with_a_clear_message(name):
 def test_valid_inputs_pass():
     v.check_paged_kv(F32, CACHE, CACHE, TABLE, "[B, Hq, D]")
     v.check_head_dim("q", 80)
+    for block_size in (1, 2, 4, 8, 16, 32, 48, 256, 544, 1024):
+        v.check_block_size(block_size)
     assert v.check_static_int("max_seqlen", np.int32(8)) == 8 and type(v.check_static_int("m", np.int64(3))) is int
     assert v.check_static_int("num_splits", None, optional=True) is None
     assert v.check_static_bool("causal", np.bool_(False)) is False

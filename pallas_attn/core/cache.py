@@ -1,7 +1,8 @@
 """Paged KV cache: layout, allocation, and the write of new K/V through `slot_mapping`.
 
 Layout (vLLM / FlashAttention): `k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]`. All requests
-share one pool of `num_blocks` pages of `block_size` tokens. The MLA latent cache drops the head axis:
+share one pool of `num_blocks` pages of `block_size` tokens (a power of two up to 16 or a multiple of 16 up to 1024:
+`pallas_attn.core.validation.check_block_size`). The MLA latent cache drops the head axis:
 `[num_blocks, block_size, head_dim]` (`gather_kv` reads both).
 
 Slot formula (docs/design.md#paged-kv-layout), for position `pos` of request `req`:
@@ -26,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_attn.core import validation
+
 PAD_SLOT = -1  # slot_mapping entry of a padding row: skipped by the write
 
 
@@ -33,6 +36,9 @@ def allocate_kv_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16
 ) -> tuple[jax.Array, jax.Array]:
     """Zero caches `(k_cache, v_cache)`, each `dtype[num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    `block_size` must be one the paged kernels accept: a power of two up to 16 or a multiple of 16 up to 1024
+    (48 and 544 included); anything else raises `ValueError` here rather than at the first attention call.
 
     Example:
       >>> k_cache, v_cache = allocate_kv_cache(8, 16, 2, 64)
@@ -43,6 +49,7 @@ def allocate_kv_cache(
                             head_dim=head_dim).items():
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
+    validation.check_block_size(int(block_size))
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 

@@ -73,8 +73,8 @@ class MosaicPrefillConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Paged decode and ragged paged attention: ``block_n`` keys per KV tile (a whole number of pages when
-    ``block_size <= block_n``), ``block_q`` query tokens per program for ragged batches."""
+    """Paged decode and ragged paged attention: ``block_n`` keys per KV tile (each key's page read through the block
+    table: a tile may cover part of a page or several), ``block_q`` query tokens per program for ragged batches."""
     block_n: int = 64
     block_q: int | None = None  # ragged kernel only; None: from max_query_len and the GQA group
     num_warps: int = 4
@@ -124,6 +124,12 @@ def narrow_tiles(head_dim: int, dtype_bytes: int) -> bool:
     return dtype_bytes >= 4 or next_pow2(head_dim) >= 256
 
 
+def _page_block_n(block_n: int, block_size: int) -> int:
+    """At least one page per key tile, up to 128 keys: a page of 48 gets 64-key tiles. Tiles read each key's page
+    through the block table, so neither a page nor a tile need divide the other."""
+    return max(block_n, min(next_pow2(block_size), 128))
+
+
 def default_prefill_config(head_dim: int, dtype_bytes: int = 2) -> PrefillConfig:
     padded = next_pow2(head_dim)
     hit = _tuned(PREFILL_TABLE, padded)
@@ -143,7 +149,7 @@ def default_decode_config(head_dim: int, block_size: int, dtype_bytes: int = 2) 
         return hit
     # block_n 128 / 4 warps / 2 stages: the sweep's winner at D 128 (docs/performance.md#paged-decode).
     block_n = 32 if narrow_tiles(head_dim, dtype_bytes) else 128 if padded <= 128 else 64
-    return DecodeConfig(block_n=max(block_n, min(block_size, 128)), num_warps=4, num_stages=2)
+    return DecodeConfig(block_n=_page_block_n(block_n, block_size), num_warps=4, num_stages=2)
 
 
 def chunk_rows(head_dim: int, dtype_bytes: int) -> int:
@@ -160,7 +166,7 @@ def default_chunk_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -
     if hit is not None:
         return hit
     if narrow_tiles(head_dim, dtype_bytes):
-        return DecodeConfig(block_n=max(32, min(block_size, 128)), num_warps=4, num_stages=2)
+        return DecodeConfig(block_n=_page_block_n(32, block_size), num_warps=4, num_stages=2)
     # 128-row blocks, block_n 128, 8 warps, 2 stages: the fastest on M1's chunks (docs/performance.md#mixed-batches).
     return DecodeConfig(block_n=128, num_warps=8, num_stages=2)
 

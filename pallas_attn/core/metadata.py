@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_attn.core import validation
+
 NUM_TOKENS_MIN_BUCKET = 16  # smallest num_tokens bucket: tiny batches share one program
 PAD_SLOT = -1  # slot_mapping entry of a padding row: the cache write skips it
 PAD_PAGE = -1  # block_tables entry past a request's last page: never read
@@ -53,7 +55,7 @@ class BatchMetadata:
       slot_mapping:   i32[num_tokens]    cache slot of the new token in each query row; -1 for padding rows.
 
     Static fields (Python ints; changing one recompiles):
-      block_size:     tokens per page; a power of two.
+      block_size:     tokens per page: a power of two up to 16 or a multiple of 16 up to 1024.
       max_query_len:  upper bound of every query length (bucketed: a power of two).
       max_seq_len:    upper bound of every seq_len (bucketed), at most `max_blocks * block_size`.
       num_tokens:     query rows, padding included (bucketed); `q.shape[0]` of the kernels.
@@ -151,12 +153,11 @@ def _check_fits_int32(value: int, what: str) -> None:
 
 
 def _check_block_size(block_size) -> int:
+    """An int the paged kernels accept (:func:`pallas_attn.core.validation.check_block_size`), as a Python int."""
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
-        raise ValueError(f"{block_size=} must be an int (a power of two >= 1)")
-    block_size = int(block_size)
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"{block_size=} must be a power of two >= 1")
-    return block_size
+        raise ValueError(f"{block_size=} must be an int: {validation.BLOCK_SIZE_RULE}")
+    validation.check_block_size(int(block_size))
+    return int(block_size)
 
 
 def _optional_int(value, name: str):
@@ -192,7 +193,7 @@ def build_metadata(
       query_lens: int[n] new tokens of each request this step (prefill chunk, 1 for decode, k for verification).
       context_lens: int[n] tokens already cached BEFORE this step (vLLM's `num_computed_tokens`; NOT the
         `context_lens` argument of `paged_decode_attention`, which counts the new token too: pass `seq_lens`).
-      block_size: tokens per page, a power of two.
+      block_size: tokens per page: a power of two up to 16 or a multiple of 16 up to 1024 (48, 544, ...).
       num_blocks: pages in the pool. Default: exactly the pages the batch needs. With `block_tables`, bounds the
         page ids the tables may use.
       max_blocks: width of `block_tables`. Default: the pages of the longest request, bucketed.

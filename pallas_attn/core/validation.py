@@ -17,6 +17,12 @@ import numpy as np
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+# Tokens per KV page: a power of two up to 16, or any multiple of 16 up to 1024 (vLLM's page sizes, 48 and 544
+# included). The kernels read each key's page through the block table (core/tiles.paged_rows), so a page need not
+# divide a key tile nor a tile a page.
+SMALL_BLOCK_SIZES, BLOCK_SIZE_STEP, MAX_BLOCK_SIZE = (1, 2, 4, 8), 16, 1024
+BLOCK_SIZE_RULE = (f"a power of two up to {BLOCK_SIZE_STEP} or a multiple of {BLOCK_SIZE_STEP} up to "
+                   f"{MAX_BLOCK_SIZE} (e.g. 8, 16, 48, 544, {MAX_BLOCK_SIZE})")
 
 
 def check_rank(name: str, x, rank: int, layout: str) -> None:
@@ -58,8 +64,9 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> None:
 
 
 def check_block_size(block_size: int) -> None:
-    if not (1 <= block_size <= 256 and block_size & (block_size - 1) == 0):
-        raise ValueError(f"{block_size=} (cache axis 1) must be a power of two in [1, 256]")
+    if not (block_size in SMALL_BLOCK_SIZES or (BLOCK_SIZE_STEP <= block_size <= MAX_BLOCK_SIZE
+                                                and block_size % BLOCK_SIZE_STEP == 0)):
+        raise ValueError(f"{block_size=} (tokens per page, cache axis 1) unsupported; need {BLOCK_SIZE_RULE}")
 
 
 _INT32 = np.iinfo(np.int32)
