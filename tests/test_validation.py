@@ -24,7 +24,9 @@ CASES = {
     "shape": (lambda: v.check_shape("seq_lens", jnp.zeros((3,), jnp.int32), (2,), "i32[num_seqs]"), ValueError,
               r"seq_lens must be i32\[num_seqs\] = \(2,\); got \(3,\)"),
     "head_dim": (lambda: v.check_head_dim("q", 20), ValueError, "head_dim=20 unsupported"),
-    "head_dim_big": (lambda: v.check_head_dim("q", 264), ValueError, "head_dim=264 unsupported"),
+    "head_dim_big": (lambda: v.check_head_dim("q", 520), ValueError,
+                     r"q: head_dim=520 unsupported; need a multiple of 8 in \[16, 512\]"),
+    "head_dim_not_multiple_of_8": (lambda: v.check_head_dim("q", 324), ValueError, "head_dim=324 unsupported"),
     "gqa": (lambda: v.check_gqa(6, 4), ValueError, "num_q_heads=6 must be a positive multiple of num_kv_heads=4"),
     "block_size": (lambda: v.check_block_size(24), ValueError,
                    r"block_size=24 \(tokens per page, cache axis 1\) unsupported; need a power of two up to 16 or a "
@@ -84,7 +86,8 @@ def test_rule_raises_with_a_clear_message(name):
 
 def test_valid_inputs_pass():
     v.check_paged_kv(F32, CACHE, CACHE, TABLE, "[B, Hq, D]")
-    v.check_head_dim("q", 80)
+    for head_dim in (16, 80, 96, 264, 320, 512):
+        v.check_head_dim("q", head_dim)
     for block_size in (1, 2, 4, 8, 16, 32, 48, 256, 544, 1024):
         v.check_block_size(block_size)
     assert v.check_static_int("max_seqlen", np.int32(8)) == 8 and type(v.check_static_int("m", np.int64(3))) is int

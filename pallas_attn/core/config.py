@@ -119,9 +119,33 @@ def _tuned(table: dict, key: int):
 
 
 def narrow_tiles(head_dim: int, dtype_bytes: int) -> bool:
-    """float32 inputs or 256-wide heads: a 128-row float32 accumulator (plus its operands) would not fit the
-    register file, so every kernel falls back to smaller tiles."""
+    """float32 inputs or heads of 256 and wider: a 128-row float32 accumulator (plus its operands) would not fit the
+    register file, so every kernel falls back to smaller tiles (:func:`wide_heads`: smaller still)."""
     return dtype_bytes >= 4 or next_pow2(head_dim) >= 256
+
+
+def wide_heads(head_dim: int) -> bool:
+    """Heads padded to 512 (264..512 dims): tiles of their own, below."""
+    return next_pow2(head_dim) >= 512
+
+
+# Shared memory for the K and V tiles a Triton kernel keeps: an H200 block has 227 KiB, and Q plus Triton's
+# layout-conversion scratch need the rest.
+KV_SMEM_BUDGET = 128 * 1024
+
+
+def kv_smem_bytes(block_n: int, head_dim: int, dtype_bytes: int, num_stages: int) -> int:
+    """Bytes of the K and V tiles ``[block_n, next_pow2(head_dim)]`` in shared memory: one pair, and one more per
+    stage past the second (Triton's pipeliner keeps ``num_stages - 1`` pairs in flight). At D 512 bf16 a 32-key
+    pair is 64 KiB (ptxas on the decode kernel, 2 stages: 83 KB of shared memory with Q's 16 rows)."""
+    return 2 * max(1, num_stages - 1) * block_n * next_pow2(head_dim) * dtype_bytes
+
+
+def _fit_block_n(block_n: int, head_dim: int, dtype_bytes: int, num_stages: int) -> int:
+    """``block_n`` halved (not below 16) until its K/V tiles fit :data:`KV_SMEM_BUDGET`."""
+    while block_n > 16 and kv_smem_bytes(block_n, head_dim, dtype_bytes, num_stages) > KV_SMEM_BUDGET:
+        block_n //= 2
+    return block_n
 
 
 def _page_block_n(block_n: int, block_size: int) -> int:
@@ -130,11 +154,28 @@ def _page_block_n(block_n: int, block_size: int) -> int:
     return max(block_n, min(next_pow2(block_size), 128))
 
 
+# Heads padded to 512, every kernel (ptxas for sm_90, tools/offline_compile.py): a K or V tile of 32 keys × 512 bf16
+# is 32 KiB, and the float32 accumulator of a 32-row tile takes 64 KiB of registers. So 32 query rows (prefill,
+# prefill chunks), 32-key tiles (float32: 16), 8 warps, 2 stages (one K/V pair in flight): 186-254 registers, no
+# spills, 83-100 KB of shared memory. 64-row tiles spill (wgmma at 8 warps: 255 registers and 0.5-1 KB of stack
+# per thread), and so do 4 warps on the ragged kernel's 32-row verification tiles. float32 prefill: 16 × 16 tiles,
+# 4 warps, 1 stage (245 registers, 64 KB).
+WIDE_BLOCK_ROWS = 32
+
+
+def _wide_block_n(dtype_bytes: int) -> int:
+    return 32 if dtype_bytes <= 2 else 16
+
+
 def default_prefill_config(head_dim: int, dtype_bytes: int = 2) -> PrefillConfig:
     padded = next_pow2(head_dim)
     hit = _tuned(PREFILL_TABLE, padded)
     if hit is not None:
         return hit
+    if wide_heads(head_dim):  # WIDE_BLOCK_ROWS
+        if dtype_bytes >= 4:
+            return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+        return PrefillConfig(block_m=WIDE_BLOCK_ROWS, block_n=32, num_warps=8, num_stages=2)
     if narrow_tiles(head_dim, dtype_bytes):
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
     if padded >= 128:  # the sweep's winner at D 128 (docs/performance.md#varlen-prefill-triton)
@@ -147,26 +188,36 @@ def default_decode_config(head_dim: int, block_size: int, dtype_bytes: int = 2) 
     hit = _tuned(DECODE_TABLE, padded)
     if hit is not None:
         return hit
-    # block_n 128 / 4 warps / 2 stages: the sweep's winner at D 128 (docs/performance.md#paged-decode).
+    if wide_heads(head_dim):  # WIDE_BLOCK_ROWS: the tile is the same whatever the page
+        return DecodeConfig(block_n=_wide_block_n(dtype_bytes), num_warps=8, num_stages=2)
+    # block_n 128 / 4 warps / 2 stages: the sweep's winner at D 128 (docs/performance.md#paged-decode); a page of 128
+    # or more in float32 gets 64-key tiles (128 would keep 256 KiB of K/V at D 256).
     block_n = 32 if narrow_tiles(head_dim, dtype_bytes) else 128 if padded <= 128 else 64
-    return DecodeConfig(block_n=_page_block_n(block_n, block_size), num_warps=4, num_stages=2)
+    block_n = _fit_block_n(_page_block_n(block_n, block_size), head_dim, dtype_bytes, num_stages=2)
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2)
 
 
 def chunk_rows(head_dim: int, dtype_bytes: int) -> int:
     """Rows (tokens × padded group) of a prefill-chunk query block in :func:`pallas_attn.paged_attention`: 128 as
-    in prefill (each K/V tile read serves twice the rows of a 64-row block), 64 with narrow tiles."""
+    in prefill (each K/V tile read serves twice the rows of a 64-row block), 64 with narrow tiles, 32 for heads
+    padded to 512 (:data:`WIDE_BLOCK_ROWS`)."""
+    if wide_heads(head_dim):
+        return WIDE_BLOCK_ROWS
     return 64 if narrow_tiles(head_dim, dtype_bytes) else 128
 
 
 def default_chunk_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -> DecodeConfig:
     """The prefill-chunk pass of :func:`pallas_attn.paged_attention` (queries longer than 16 tokens in a mixed
     batch): compute-bound like prefill, so 8 warps over :func:`chunk_rows`-row query blocks; narrow tiles (float32,
-    256-wide heads) take 4 warps."""
+    256-wide heads) take 4 warps; heads padded to 512 take :data:`WIDE_BLOCK_ROWS`' tiles."""
     hit = _tuned(CHUNK_TABLE, next_pow2(head_dim))
     if hit is not None:
         return hit
+    if wide_heads(head_dim):  # float32: one stage (244 registers, 128 KB)
+        return DecodeConfig(block_n=_wide_block_n(dtype_bytes), num_warps=8, num_stages=2 if dtype_bytes <= 2 else 1)
     if narrow_tiles(head_dim, dtype_bytes):
-        return DecodeConfig(block_n=_page_block_n(32, block_size), num_warps=4, num_stages=2)
+        block_n = _fit_block_n(_page_block_n(32, block_size), head_dim, dtype_bytes, num_stages=2)
+        return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2)
     # 128-row blocks, block_n 128, 8 warps, 2 stages: the fastest on M1's chunks (docs/performance.md#mixed-batches).
     return DecodeConfig(block_n=128, num_warps=8, num_stages=2)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 512  # multiples of 8; the Triton kernels pad to the next power of two inside
 # Tokens per KV page: a power of two up to 16, or any multiple of 16 up to 1024 (vLLM's page sizes, 48 and 544
 # included). The kernels read each key's page through the block table (core/tiles.paged_rows), so a page need not
 # divide a key tile nor a tile a page.
