@@ -24,6 +24,13 @@ SCENARIOS = {
     "d80_split_size": ([70, 17, 0], 8, 4, 1, 80, jnp.float32, dict(split_size=32)),
     "d256": ([40, 9], 16, 2, 2, 256, jnp.bfloat16, dict(num_splits=1)),
     "gqa6": ([30, 31], 16, 12, 2, 96, jnp.float32, dict(num_splits=2)),
+    # head dims up to 512 and pages of any multiple of 16: 32- and 64-key tiles straddle pages of 48 and 544
+    "d80_bs48_splits3": ([50, 47, 1, 97], 48, 4, 2, 80, jnp.float32, dict(num_splits=3, config=DecodeConfig(32))),
+    "d96_bs32_split_size": ([33, 64, 7], 32, 4, 1, 96, jnp.float32, dict(split_size=32)),
+    "d320_bs48": ([49, 3, 0, 96], 48, 4, 2, 320, jnp.float32, dict(num_splits=2)),
+    "d512_bs544_bf16": ([600, 1, 545], 544, 2, 1, 512, jnp.bfloat16, dict(config=DecodeConfig(64))),
+    "d512_bs16_default_config": ([40, 17], 16, 2, 2, 512, jnp.float32, dict(config=None, num_splits=2)),
+    "d320_bs544_default_config_bf16": ([560, 30], 544, 4, 2, 320, jnp.bfloat16, dict(config=None)),
 }
 
 
@@ -37,7 +44,7 @@ def _inputs(rng, ctx, bs, hq, hkv, d, dtype, poison=float("nan")):
 def test_matches_reference(name, rng):
     ctx, bs, hq, hkv, d, dtype, split = SCENARIOS[name]
     q, kc, vc, bt, cl = _inputs(rng, ctx, bs, hq, hkv, d, dtype)
-    out, lse = paged_decode_attention(q, kc, vc, bt, cl, return_lse=True, config=SMALL, **split)
+    out, lse = paged_decode_attention(q, kc, vc, bt, cl, return_lse=True, **{"config": SMALL, **split})
     ref_out, ref_lse = reference.paged_decode_attention(q, kc, vc, bt, cl, return_lse=True)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert_attention_close(out, ref_out, dtype=dtype)

@@ -111,6 +111,12 @@ def test_everything_at_once_bf16(rng):
            alibi_slopes=_heads(rng, 0.01, 0.2, 8), sinks=_heads(rng, -1, 1, 8))
 
 
+def test_everything_at_once_wide_heads(rng):
+    q, k, v, cu = _inputs(rng, hq=4, hkv=2, d=320)
+    _check(q, k, v, cu, window_size=(9, -1), softcap=20.0, alibi_slopes=_heads(rng, 0.01, 0.2, 4),
+           sinks=_heads(rng, -1, 1, 4))
+
+
 @pytest.mark.parametrize("kw, error, match", [
     (dict(window_size=(-2, 0)), TypeError, "window_size"),
     (dict(window_size=5), TypeError, "window_size"),
@@ -161,6 +167,16 @@ def test_decode_features(rng, kw, num_splits):
         kw = dict(window_size=(20, -1), softcap=3.0, alibi_slopes=_heads(rng, 0.01, 0.3, 8),
                   sinks=_heads(rng, -1, 1, 8))
     _check_decode(args, num_splits, **kw)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("head_dim, block_size", [(320, 48), (512, 16)])
+def test_decode_features_wide_heads_and_pages(rng, head_dim, block_size, num_splits):
+    """Every feature at once with heads padded to 512 and pages of 48 (16-key tiles inside a page, a window edge
+    inside a page)."""
+    args = _decode_inputs(rng, d=head_dim, block_size=block_size)
+    _check_decode(args, num_splits, window_size=(20, -1), softcap=3.0, alibi_slopes=_heads(rng, 0.01, 0.3, 8),
+                  sinks=_heads(rng, -1, 1, 8))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

@@ -63,6 +63,20 @@ def test_paged_ragged(tokens, seqs, max_query_len, max_blocks):
     assert _pallas_calls(text) >= (1 if max_query_len <= 16 else 2)
 
 
+@pytest.mark.parametrize("head_dim, block_size, dtype", [(512, 544, BF16), (320, 48, jnp.float32)])
+def test_wide_heads_and_pages(head_dim, block_size, dtype):
+    """Heads padded to 512 and pages that are not powers of two, through every Triton kernel's default tiles."""
+    prefill = functools.partial(varlen_attention, max_seqlen=4096, interpret=False, backend="triton")
+    qkv = [S((8192, h, head_dim), dtype) for h in (16, 4, 4)]
+    assert _pallas_calls(_lower(prefill, *qkv, S((5,), I32))) >= 1
+    cache = S((512, block_size, 4, head_dim), dtype)
+    decode = functools.partial(paged_decode_attention, return_lse=True, interpret=False)
+    assert _pallas_calls(_lower(decode, S((8, 16, head_dim), dtype), cache, cache, S((8, 64), I32), S((8,), I32))) >= 1
+    ragged = functools.partial(paged_attention, max_query_len=512, interpret=False)
+    assert _pallas_calls(_lower(ragged, S((1024, 16, head_dim), dtype), cache, cache, S((8, 64), I32), S((8,), I32),
+                                S((9,), I32))) >= 2
+
+
 @pytest.mark.parametrize("backend, sinks", [(None, False), ("triton", True), ("mosaic", True)])
 def test_sparse_s1(backend, sinks):
     def fn(q, kv_cache, block_tables, topk_indices, *sink):  # sinks f32[num_heads]: read at the finalization

@@ -67,6 +67,27 @@ def test_matches_reference(batch, layout, rng):
     _check(out, lse, args, dtype, q_lens)
 
 
+# Head dims up to 512 and pages of any multiple of 16. name: (batch, layout, config, chunk_config, split kwargs);
+# None: the defaults (heads padded to 512: their own tiles). 32-key tiles straddle pages of 48.
+WIDENED = {
+    "d80_bs48_mixed": ("mixed", (48, 4, 2, 80, jnp.float32), DecodeConfig(block_n=32), None, dict(num_splits=2)),
+    "d96_bs32_verify": ("verify_only", (32, 4, 1, 96, jnp.float32), SMALL, SMALL, dict(split_size=32)),
+    "d320_bs16_chunked_default": ("chunked_prefill", (16, 4, 2, 320, jnp.float32), None, None, dict()),
+    "d512_bs544_mixed_bf16": ("mixed", (544, 2, 1, 512, jnp.bfloat16), None, None, dict()),
+    "d512_bs48_decode_splits": ("decode_only", (48, 8, 2, 512, jnp.float32), None, None, dict(num_splits=3)),
+}
+
+
+@pytest.mark.parametrize("name", WIDENED)
+def test_head_dims_and_page_sizes(name, rng):
+    batch, (bs, hq, hkv, d, dtype), cfg, chunk_cfg, splits = WIDENED[name]
+    q_lens, seq_lens = BATCHES[batch]
+    args = _inputs(rng, q_lens, seq_lens, bs, hq, hkv, d, dtype)
+    out, lse = paged_attention(*args, max_query_len=max(q_lens), return_lse=True, config=cfg,
+                               chunk_config=chunk_cfg, **splits)
+    _check(out, lse, args, dtype, q_lens)
+
+
 def test_splits_on_off_agree(rng):
     q_lens, seq_lens = BATCHES["mixed"]
     args = _inputs(rng, q_lens, seq_lens, 16, 8, 2, 64, jnp.float32)

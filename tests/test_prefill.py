@@ -1,5 +1,5 @@
-"""varlen_attention against the reference: compositions with 0, 1, tile±1 and long requests, GQA 1/4/8, every
-head dim, causal and not, LSE, isolation, padding rows, recompilation."""
+"""varlen_attention against the reference: compositions with 0, 1, tile±1 and long requests, GQA 1/4/8, head dims
+from 64 to 512 (80, 96, 192, 320: padded inside), causal and not, LSE, isolation, padding rows, recompilation."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ SCENARIOS = {
     "d128_bf16": ([65, 3, 0, 30], 8, 2, 128, True, jnp.bfloat16, PrefillConfig(block_m=32, block_n=16)),
     "d192_fp16": ([21, 2], 4, 4, 192, True, jnp.float16, SMALL),
     "d256_bf16": ([18, 1], 2, 1, 256, True, jnp.bfloat16, SMALL),
+    "d320_gqa2": ([9, 1, 17], 4, 2, 320, True, jnp.float32, SMALL),
+    "d512_bf16_default": ([33, 2, 0], 2, 1, 512, True, jnp.bfloat16, None),  # heads padded to 512: their own tiles
+    "d512_noncausal_default": ([20, 5], 2, 2, 512, False, jnp.float32, None),
     "gqa6_not_pow2": ([13, 20], 12, 2, 64, True, jnp.float32, SMALL),
     "default_config": ([130, 7], 4, 2, 64, True, jnp.float32, None),
 }
@@ -85,6 +88,7 @@ def test_one_compile_per_bucket(rng):
     (dict(cu=np.array([0, 4], np.int16)), "cu_seqlens must be int32"),
     (dict(k_heads=3), "num_q_heads=4 must be a positive multiple of num_kv_heads=3"),
     (dict(d=100), "head_dim=100 unsupported"),
+    (dict(d=520), r"head_dim=520 unsupported; need a multiple of 8 in \[16, 512\]"),
     (dict(v_dtype=jnp.float16), "must share one dtype"),
 ])
 def test_bad_input_raises(bad, match, rng):

@@ -123,6 +123,8 @@ VARLEN_CASES = [
     VarlenCase("single_request", (7,), 2, 2, 64),
     VarlenCase("mixed_gqa4_d96", (5, 0, 1, 9, 3), 8, 2, 96),
     VarlenCase("gqa8_d256", (3, 1, 4), 8, 1, 256),
+    VarlenCase("gqa2_d320", (4, 1), 4, 2, 320),
+    VarlenCase("noncausal_d512", (3, 2), 2, 1, 512, causal=False),
     VarlenCase("noncausal_d128", (6, 0, 2), 4, 4, 128, causal=False),
     VarlenCase("length_one_requests", (1, 1, 1), 4, 1, 64, softmax_scale=0.3),
     VarlenCase("all_empty", (0, 0), 2, 1, 64, pad_rows=3),
@@ -187,6 +189,8 @@ DECODE_CASES = [
     DecodeCase("block_size_1", (3, 1, 0, 6), 1, 4, 1, 128),
     DecodeCase("gqa8_d256", (9, 2), 8, 8, 1, 256),
     DecodeCase("less_than_a_page_d96", (12, 7), 16, 2, 2, 96),
+    DecodeCase("block_size_48_d320", (49, 0, 48), 48, 4, 2, 320),
+    DecodeCase("block_size_544_d512", (545, 3), 544, 2, 1, 512),
     DecodeCase("all_empty", (0, 0), 4, 2, 1, 64),
 ]
 
@@ -239,6 +243,8 @@ PAGED_CASES = [
     PagedCase("mixed", ((1, 9), (0, 0), (4, 4), (0, 6), (3, 11), (1, 1)), 4, 8, 2, 64),
     PagedCase("block_size_1", ((1, 4), (0, 0), (3, 3), (2, 5)), 1, 4, 1, 64),
     PagedCase("gqa8_d256", ((2, 6), (1, 3)), 8, 8, 1, 256, pad_rows=0),
+    PagedCase("block_size_48_d512", ((3, 50), (1, 48)), 48, 4, 2, 512),
+    PagedCase("block_size_544_d320", ((2, 546), (4, 4)), 544, 2, 1, 320),
     PagedCase("all_q_len_zero", ((0, 5), (0, 0)), 4, 2, 1, 64),
 ]
 

@@ -33,6 +33,8 @@ SCENARIOS = {
     "multi_token_576": ([50, 9, 33], [3, 1, 2], 8, 576, 512, 64, 32, jnp.bfloat16),
     "block_size_1": ([20, 5], [2, 1], 4, 80, 64, 1, 16, jnp.float32),
     "heads_not_pow2": ([25], None, 20, 80, 64, 8, 40, jnp.float32),
+    "block_size_48": ([100, 47], [2, 1], 4, 80, 64, 48, 24, jnp.float32),  # pages of any multiple of 16
+    "block_size_544": ([600, 9], None, 4, 80, 64, 544, 32, jnp.float32),
 }
 
 
