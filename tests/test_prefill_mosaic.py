@@ -32,6 +32,9 @@ SCENARIOS = {
     "mha_group1": ([257, 64, 9], 2, 2, 64, True, jnp.bfloat16),
     # request 1 starts at 8: K/V windows 0-2 read in place (full for its last tiles), its partial window 3 staged
     "aligned_long_gqa2": ([8, 400, 3], 4, 2, 64, True, jnp.bfloat16),
+    # 96: 64-byte swizzled tiles; 256: 64-key K/V slots (two of 128 would not fit shared memory)
+    "d96_gqa2": ([70, 3, 64], 4, 2, 96, True, jnp.bfloat16),
+    "d256_mqa2": ([65, 2], 2, 1, 256, True, jnp.bfloat16),
 }
 
 
@@ -116,8 +119,8 @@ def test_padding_rounds(rng, monkeypatch):
 
 @pytest.mark.parametrize("kw, shapes, match", [
     (dict(), ((8, 4, 64), (8, 2, 64), jnp.float32), "dtype float32"),
-    (dict(), ((8, 4, 96), (8, 2, 96), jnp.bfloat16), "head_dim 96"),
-    (dict(), ((8, 4, 256), (8, 2, 256), jnp.bfloat16), "head_dim 256"),
+    (dict(), ((8, 4, 80), (8, 2, 80), jnp.bfloat16), r"head_dim=80 \(supported: 64, 96, 128, 256\)"),
+    (dict(), ((8, 4, 512), (8, 2, 512), jnp.bfloat16), r"head_dim=512 \(supported: 64, 96, 128, 256\)"),
     (dict(backend="cuda"), ((8, 4, 64), (8, 2, 64), jnp.bfloat16), "backend must be one of"),
 ])
 def test_unsupported_inputs_raise(kw, shapes, match):
@@ -160,13 +163,16 @@ def test_bad_mosaic_config_raises(kw, match):
         MosaicPrefillConfig(**kw)
 
 
-def test_config_past_shared_memory_raises():
-    """Three 128-key K/V slots and the three warpgroups' Q/O outgrow the 227 KB at head dim 128."""
-    q, k = jnp.zeros((8, 4, 128), jnp.bfloat16), jnp.zeros((8, 2, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"config=MosaicPrefillConfig\(.*max_concurrent_steps=3.*\) needs 245760 "
-                                         r"bytes of shared memory at head_dim=128"):
-        varlen_attention(q, k, k, jnp.asarray([0, 8], jnp.int32), max_seqlen=8,
-                         config=MosaicPrefillConfig(max_concurrent_steps=3))
+@pytest.mark.parametrize("head_dim, config, need", [
+    (128, MosaicPrefillConfig(max_concurrent_steps=3), 245760),  # three 128-key slots at head dim 128
+    (256, MosaicPrefillConfig(), 360448),  # two 128-key slots at 256 (its default: two of 64 keys)
+])
+def test_config_past_shared_memory_raises(head_dim, config, need):
+    """K/V slots and the three warpgroups' Q/O that outgrow the 227 KB."""
+    q, k = jnp.zeros((8, 4, head_dim), jnp.bfloat16), jnp.zeros((8, 2, head_dim), jnp.bfloat16)
+    with pytest.raises(ValueError, match=rf"config=MosaicPrefillConfig\(.*\) needs {need} bytes of shared memory at "
+                                         rf"head_dim={head_dim}"):
+        varlen_attention(q, k, k, jnp.asarray([0, 8], jnp.int32), max_seqlen=8, config=config)
 
 
 @pytest.mark.parametrize("head_dim, causal, return_lse, num_tokens, config", [
@@ -175,6 +181,8 @@ def test_config_past_shared_memory_raises():
     (128, True, False, 8192, MosaicPrefillConfig(block_kv=64, max_concurrent_steps=4)),
     (64, True, True, 8192, MosaicPrefillConfig(block_kv=64, p_chunks=8)),  # 8-column blocks, the narrowest
     (64, True, False, 8192, MosaicPrefillConfig(max_concurrent_steps=3)),  # fits beside 64-wide heads
+    (96, True, True, 8195, None),  # 64-byte swizzled tiles
+    (256, True, True, 8192, None), (256, False, False, 8195, None),  # 64-key slots; Q padded to whole 8-row groups
 ])
 def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, config):
     """The compiled path's lowering (wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked without a GPU at a
@@ -200,6 +208,10 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, config):
     (True, False, jnp.bfloat16, 64, 8192, 29184, "mosaic"),  # P1 at head_dim 64: Mosaic measured faster
     (True, False, jnp.bfloat16, 64, 2048, 32768, "mosaic"),  # head_dim 64, 16 x 2048 tokens: Mosaic measured faster
     (True, False, jnp.bfloat16, 64, 1024, 32768, "triton"),  # head_dim 64, 32 x 1024 tokens: Triton measured faster
+    (True, False, jnp.bfloat16, 96, 8192, 29184, "triton"),  # Mosaic runs 96 and 256, not measured against Triton
+    (True, False, jnp.bfloat16, 256, 8192, 29184, "triton"),
+    (True, False, jnp.bfloat16, 80, 8192, 29184, "triton"),  # the Mosaic kernel does not run these
+    (True, False, jnp.bfloat16, 512, 8192, 29184, "triton"),
     (True, False, jnp.float32, 128, 8192, 29184, "triton"),  # the Mosaic kernel is bf16/fp16 only
     (True, True, jnp.bfloat16, 128, 8192, 29184, "triton"),  # interpret mode
     (False, False, jnp.bfloat16, 128, 8192, 29184, "triton"),  # not sm_90

@@ -57,7 +57,7 @@ class MosaicPrefillConfig:
 
     The defaults are the kernel measured on the H200 (docs/performance.md#varlen-prefill-mosaic-gpu). At head dim 128
     two 128-key slots are what fits the 227 KB of shared memory beside Q/O; smaller heads leave room for more or
-    wider slots."""
+    wider slots, and head dim 256 takes two 64-key slots (:func:`default_mosaic_prefill_config`)."""
     block_kv: int = 128
     max_concurrent_steps: int = 2
     p_chunks: int = 2  # at 2 the step's registers fit without spills; 1 (all of P at once) spilled and ran slower
@@ -220,6 +220,12 @@ def default_chunk_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -
         return DecodeConfig(block_n=block_n, num_warps=4, num_stages=2)
     # 128-row blocks, block_n 128, 8 warps, 2 stages: the fastest on M1's chunks (docs/performance.md#mixed-batches).
     return DecodeConfig(block_n=128, num_warps=8, num_stages=2)
+
+
+def default_mosaic_prefill_config(head_dim: int) -> MosaicPrefillConfig:
+    """The Mosaic prefill's slots: the measured default (two of 128 keys) up to head dim 128; at 256 two of 64 keys,
+    which fit the 227 KB of shared memory beside the three warpgroups' Q/O (96 KiB + 128 KiB)."""
+    return MosaicPrefillConfig(block_kv=64) if head_dim > 128 else MosaicPrefillConfig()
 
 
 def default_sparse_config(num_heads: int) -> SparseConfig:

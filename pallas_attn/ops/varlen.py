@@ -37,7 +37,8 @@ BACKENDS = backend_lib.BACKENDS
 CONFIG_TYPES = {"triton": config_lib.PrefillConfig, "mosaic": config_lib.MosaicPrefillConfig}  # backend → config
 # The default on sm_90: Mosaic from MOSAIC_MIN_SEQLEN[head_dim] on, in batches of at least MOSAIC_MIN_TOKENS rows;
 # below, its work list and K/V staging launch (10-23 µs a call) outweigh its faster tiles (at head dim 64, half the
-# matmul per softmax, it needs longer requests): docs/performance.md#prefill-backend-rule.
+# matmul per softmax, it needs longer requests): docs/performance.md#prefill-backend-rule. Head dims without an entry
+# (96 and 256, which the kernel runs when asked) were not measured against Triton, so Triton runs them by default.
 MOSAIC_MIN_SEQLEN = {128: 512, 64: 2048}
 MOSAIC_MIN_TOKENS = 2048
 
@@ -76,7 +77,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     """Attention over requests packed along the token axis; each request sees only its own tokens.
 
     Args:
-      q: ``[num_tokens, num_q_heads, head_dim]`` float32 / bfloat16 / float16.
+      q: ``[num_tokens, num_q_heads, head_dim]`` float32 / bfloat16 / float16; head_dim a multiple of 8 in
+        [16, 512] (Triton pads it to a power of two inside).
       k, v: ``[num_tokens, num_kv_heads, head_dim]``, same dtype; ``num_q_heads % num_kv_heads == 0`` (GQA/MQA).
       cu_seqlens: ``i32[num_seqs + 1]``, non-decreasing from 0; request ``b`` owns rows
         ``[cu_seqlens[b], cu_seqlens[b+1])``. Rows at or past ``cu_seqlens[-1]`` are padding (output 0).
@@ -100,10 +102,11 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         K/V slot size and count, P's column blocks). A config selects its backend when ``backend`` is None and must
         match it otherwise (``TypeError`` naming both classes). None → the tuned default of the chosen backend.
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.prefill` (wgmma, TMA,
-        warp specialisation; bf16/fp16, head_dim 64 or 128 — anything else raises; interpreted on CPU by the Mosaic
-        GPU interpreter). None: the config's backend if one is given, else :func:`default_backend` — Mosaic on a
-        compiled sm_90 GPU where it applies and was measured faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]``
-        and ``num_tokens >= MOSAIC_MIN_TOKENS``), else Triton.
+        warp specialisation; bf16/fp16, head_dim 64, 96, 128 or 256 — anything else raises ``ValueError`` naming
+        head_dim and that set; interpreted on CPU by the Mosaic GPU interpreter). None: the config's backend if one
+        is given, else :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it applies and was measured
+        faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]``, head dims 64 and 128, and
+        ``num_tokens >= MOSAIC_MIN_TOKENS``), else Triton (every other head dim).
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked). Array arguments may be
@@ -129,7 +132,7 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     if backend == "mosaic":
         run = functools.partial(mosaic_prefill.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
                                 scale=float(scale), return_lse=return_lse, interpret=interpret,
-                                cfg=config or config_lib.MosaicPrefillConfig())
+                                cfg=config or config_lib.default_mosaic_prefill_config(q.shape[-1]))
         out, lse = common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens)
         return (out, lse) if return_lse else out
     cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)

@@ -26,15 +26,16 @@ Hopper's own instructions from Pallas (docs/design.md#backends):
   mask code, diagonal tiles (△) are masked from request-local positions, future tiles (·) are never computed.
   Non-causal: only the last tile masks keys past the request.
 * Q and O stay in the packed layout (one shared-memory buffer: a warpgroup writes its O after its last Q Kᵀ).
-  TMA into tiled (8 × 64, 128-byte swizzled) shared memory needs row offsets it can prove are multiples of 8, so
-  request ``b``'s tiles start at ``cu_seqlens[b]`` rounded down to 8: the first tile may hold up to 7 rows of the
-  previous request (their scores are masked, their outputs never stored), and every store is row-exact (a whole
-  tile in one TMA, a partial one in at most six of 32, 16, …, 1 rows from the untiled O view). A query row of
-  another request, even NaN, only makes its own score row garbage. When ``T`` is not a multiple of 8 (the tiled
-  TMA descriptor needs whole 8-row groups), Q lands in the untiled view and is re-laid out through registers
-  instead. Rows no program computes — padding past ``cu_seqlens[-1]``, rows before ``cu_seqlens[0]``, a
-  request's rows past ``max_seqlen`` (it is truncated, keys included: docs/design.md#isolation-whatever-the-inputs)
-  — are zeroed by at most 16 extra programs per KV head, 512 rows a round.
+  TMA into tiled (8 × 64, 128-byte swizzled; head dim 96: 8 × 32, 64-byte) shared memory needs row offsets it can
+  prove are multiples of 8, so request ``b``'s tiles start at ``cu_seqlens[b]`` rounded down to 8: the first tile
+  may hold up to 7 rows of the previous request (their scores are masked, their outputs never stored), and every
+  store is row-exact (a whole tile in one TMA, a partial one in at most six of 32, 16, …, 1 rows from the untiled O
+  view). A query row of another request, even NaN, only makes its own score row garbage. When ``T`` is not a
+  multiple of 8 (the tiled TMA descriptor needs whole 8-row groups), Q lands in the untiled view and is re-laid out
+  through registers instead. Rows no program computes — padding past ``cu_seqlens[-1]``, rows before
+  ``cu_seqlens[0]``, a request's rows past ``max_seqlen`` (it is truncated, keys included:
+  docs/design.md#isolation-whatever-the-inputs) — are zeroed by at most 16 extra programs per KV head, 512 rows a
+  round.
 * K/V are read in place where they can be: request ``b``'s window ``j`` is its keys ``block_kv · [j, j + 1)``,
   packed rows ``cu_seqlens[b] + block_kv · j`` onwards, which a TMA into tiled shared memory can read when
   ``cu_seqlens[b]`` is a multiple of 8 and the window ends inside the request. The others are staged, zero-filled
@@ -43,6 +44,11 @@ Hopper's own instructions from Pallas (docs/design.md#backends):
   not a neighbour's NaN: ``0 · NaN = NaN``). P1 and P2 stage nothing.
 * LSE (natural log) goes to a buffer ``[work slots, Hkv, 3, 64]`` (a 64-wide TMA store per item; ∝ T) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
+* Head dims 64, 96, 128 and 256 (:data:`HEAD_DIMS`). Q, K, V (and P) tiles are swizzled as widely as a row allows
+  (:func:`swizzle_bytes`: 128 bytes, 64 at head dim 96). At 256 the three warpgroups' Q/O take 96 KiB, so two
+  64-key K/V slots (128 KiB) are what fits (:func:`pallas_attn.core.config.default_mosaic_prefill_config`); its
+  float32 accumulator alone is 128 of a compute warpgroup's 160 registers a thread, so expect spills there (not
+  measured on a GPU yet, and not the default: ``ops/varlen.py``'s rule sends 96 and 256 to Triton).
 
 Its speed against cuDNN, JAX's attention_mgpu and the Triton kernel, and what each choice above bought:
 docs/performance.md#varlen-prefill-mosaic-gpu. Triton stays faster for short requests (this path's work list and
@@ -84,6 +90,9 @@ PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # rows a padding program zeroes per round (rows
 # unused work slots do (P1: ~1,400 such programs)
 MAX_PAD_SLOTS = 16
 STORE_CHUNKS = (64, 32, 16, 8, 4, 2, 1)  # TMA stores of [lo, hi) rows: greedy, each size at most once
+# Head dims whose rows are whole swizzle tiles (96: 64-byte swizzle, the others 128) and whose Q/O and two K/V slots
+# fit shared memory (256: 64-key slots, config.default_mosaic_prefill_config); any other runs on Triton.
+HEAD_DIMS = (64, 96, 128, 256)
 
 
 def supported(q, k) -> str | None:
@@ -91,9 +100,15 @@ def supported(q, k) -> str | None:
     head_dim = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
-    if head_dim not in (64, 128):  # 256: Q/O and two K/V slots outgrow the 227 KB of shared memory
-        return f"head_dim {head_dim} (64 or 128)"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})"
     return None
+
+
+def swizzle_bytes(head_dim: int, itemsize: int) -> int:
+    """The widest wgmma swizzle (128, 64 or 32 bytes) a row of ``head_dim`` elements is a whole number of: the
+    (8, swizzle / itemsize) tiles of Q, K, V (and P, which must match V's) in shared memory."""
+    return next(sw for sw in (128, 64, 32) if head_dim * itemsize % sw == 0)
 
 
 def smem_bytes(cfg: config_lib.MosaicPrefillConfig, head_dim: int, itemsize: int, return_lse: bool) -> int:
@@ -374,7 +389,7 @@ def _stage_kernel(src_ref, end_ref, k_ref, v_ref, k_staged_ref, v_staged_ref, *,
     @pl.when(src >= 0)
     def _copy():
         tok = src + jnp.arange(block_kv)
-        cols = tiles.Cols(head_dim, head_dim)
+        cols = tiles.Cols(head_dim, config_lib.next_pow2(head_dim))  # Triton tiles: a power of two wide (96: 128)
         dst = (w * block_kv + jnp.arange(block_kv)) * num_kv_heads + h
         for x_ref, staged_ref in ((k_ref, k_staged_ref), (v_ref, v_staged_ref)):
             tiles.store_rows(staged_ref, dst, cols, tiles.load_rows(x_ref, tok * num_kv_heads + h, cols,
@@ -404,7 +419,8 @@ def _stage_kv(k, v, cu_seqlens, block_kv: int, max_seqlen: int, interpret: bool)
     req = jnp.maximum(owner, 0)
     src = jnp.where(owner >= 0, starts[req] + (first_staged[req] + index) * block_kv, -1)
     flat = lambda x: x.reshape(-1, head_dim)  # noqa: E731  row = token · Hkv + head
-    full = lambda n: pl.BlockSpec((n, head_dim), lambda *_: (0, 0))  # noqa: E731  whole array; rows indexed inside
+    padded = config_lib.next_pow2(head_dim)
+    full = lambda n: pl.BlockSpec((n, padded), lambda *_: (0, 0))  # noqa: E731  whole array; rows indexed inside
     vector = pl.BlockSpec((num_staged,), lambda *_: (0,))
     k_staged, v_staged = pl.pallas_call(
         functools.partial(_stage_kernel, block_kv=block_kv, num_kv_heads=num_kv_heads, head_dim=head_dim),
@@ -442,7 +458,9 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     block_kv, max_concurrent_steps = cfg.block_kv, cfg.max_concurrent_steps
-    tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    swizzle = swizzle_bytes(head_dim, q.dtype.itemsize)
+    tiled = dict(transforms=(plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)),
+                             plgpu.SwizzleTransform(swizzle)))
     scratch = (
         (plgpu.RefUnion(plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, **tiled),  # Q, one per warpgroup
                         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype)),  # O: untiled (any row range stored)
@@ -473,10 +491,13 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
         interpret_params = InterpretGPUParams()
     # Consecutive work slots of one KV head launch together (grid x: Pallas puts the last grid axis there), the
     # heaviest first; a request's programs, which read the same K/V windows, sit close in that order (L2).
+    # reduction_scratch_bytes=0: the softmax's row max and sum reduce within a warp (the WGMMA layout keeps a row in
+    # one warp), so Mosaic GPU's cross-warp scratch (2 KiB by default; a reduction that needed it would fail to
+    # lower) would only take shared memory that head dim 256 needs.
     return plgpu.kernel(
         entry, out_type=out_type, grid=(num_kv_heads, num_slots + num_pad_slots),
         grid_names=("heads", "work"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params,
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=interpret_params,
     )(cu_seqlens, _zero_ranges(cu_seqlens, num_tokens, max_seqlen), kv_stage, q_tiles, work_req, work_item, q, k, v,
       k_staged, v_staged)
 
@@ -501,12 +522,19 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
     work_req, work_item, work_slot, cu_programs, q_tiles = _work_list(cu_seqlens, num_slots, causal, max_seqlen,
                                                                       group)
     k_staged, v_staged, kv_stage = _stage_kv(k, v, cu_seqlens, cfg.block_kv, max_seqlen, interpret)
+    pad_rows = lambda x: jnp.pad(x, ((0, -num_tokens % ROW_ALIGN), (0, 0), (0, 0)))  # noqa: E731
+    q_in = q
     if num_tokens % ROW_ALIGN:  # a TMA into tiled shared memory reads whole 8-row groups of K/V
-        k, v = (jnp.pad(x, ((0, -num_tokens % ROW_ALIGN), (0, 0), (0, 0))) for x in (k, v))
+        k, v = pad_rows(k), pad_rows(v)
+        if head_dim > 128:
+            # Q too (the output is sliced back): at head dim 256, re-laying Q out through registers (the kernel's way
+            # at 64 and 128) takes Mosaic GPU's layout inference many minutes to compile.
+            q_in = pad_rows(q)
     out, lse_tiles = _call_kernel(
-        q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots,
+        q_in, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots,
         max_seqlen=max_seqlen,
         causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, cfg=cfg)
+    out = out[:num_tokens]
     if not return_lse:
         return out, None
     token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
