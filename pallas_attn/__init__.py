@@ -8,7 +8,7 @@ and interpreted on CPU, and has a pure-jnp oracle of the same signature in :mod:
 Shape glossary (one name per axis, used everywhere):
   num_tokens   packed query rows (T)            num_seqs     requests in the batch (B)
   num_q_heads  query heads (Hq)                 num_kv_heads K/V heads (Hkv); Hq % Hkv == 0
-  head_dim     D (multiple of 8, 16..256)       block_size   tokens per KV page
+  head_dim     D (multiple of 8, 16..512)       block_size   tokens per KV page (16·k up to 1024, or 1, 2, 4, 8)
   max_blocks   pages per block-table row        topk         selected keys per sparse query
   num_splits   split-KV segments per request
 

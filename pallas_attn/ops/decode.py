@@ -47,7 +47,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
     Args:
       q: ``[num_seqs, num_q_heads, head_dim]`` float32 / bfloat16 / float16.
       k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` page pool (block_size a power of two
-        in [1, 256]), same dtype as q.
+        up to 16 or a multiple of 16 up to 1024; head_dim a multiple of 8 in [16, 512]), same dtype as q.
       block_tables: ``i32[num_seqs, max_blocks]``; entry ``[b, i]`` is the physical page of request b's logical
         page i. Entries past a request's last page may hold anything (-1 included): they are never read.
       seq_lens: ``i32[num_seqs]`` keys each query sees, its own included (as :func:`pallas_attn.paged_attention`'s

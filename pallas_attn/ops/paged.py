@@ -48,7 +48,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       q: ``[num_tokens, num_q_heads, head_dim]`` packed new tokens; rows at or past ``cu_query_lens[-1]`` are
         padding (output 0, LSE -inf).
       k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the new tokens' K/V are already written
-        (see :func:`pallas_attn.write_kv_cache`).
+        (see :func:`pallas_attn.write_kv_cache`). Pages and head dims as :func:`pallas_attn.paged_decode_attention`.
       block_tables: ``i32[num_seqs, max_blocks]``; entries past a request's last page are never read.
       seq_lens: ``i32[num_seqs]`` keys of each request, its new tokens included.
       cu_query_lens: ``i32[num_seqs + 1]`` cumulative new-token counts (``q_len`` may be 0).
