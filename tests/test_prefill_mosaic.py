@@ -348,3 +348,67 @@ def test_zero_ranges_cover_exactly_the_rows_no_program_computes(cu, extra, max_s
     for start, end in zip(cu[:-1], cu[1:]):
         computed[start:min(end, start + max_seqlen)] += 1
     np.testing.assert_array_equal(zeroed + computed, 1)
+
+
+# ------------------------------------------------------------------------------------------ model-family features
+# Requests at unaligned starts (3, 133), one of a single token, one longer than two K/V tiles of 128: a window
+# that cuts inside a tile, tiles a window leaves behind, items of one program whose windows start apart.
+FEATURE_LENS = [3, 130, 1, 200]
+
+
+def _features(rng, name, hq):
+    heads = lambda lo, hi: jnp.asarray(rng.uniform(lo, hi, hq), jnp.float32)  # noqa: E731
+    return {"w0": dict(window_size=(0, -1)), "w63": dict(window_size=(63, -1)),
+            "w130": dict(window_size=(130, -1)), "w5-7": dict(window_size=(5, 7)),
+            "softcap": dict(softcap=2.0), "alibi": dict(alibi_slopes=heads(0.01, 0.3)),
+            "sinks": dict(sinks=heads(-2, 2)),
+            "all": dict(window_size=(40, -1), softcap=3.0, alibi_slopes=heads(0.01, 0.3), sinks=heads(-1, 1))}[name]
+
+
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
+@pytest.mark.parametrize("name, causal, hq, block_kv", [
+    ("w0", True, 6, 128), ("w63", True, 4, 64), ("w130", True, 6, 64), ("w5-7", False, 4, 64),
+    ("softcap", True, 6, 128), ("alibi", False, 6, 128), ("sinks", True, 6, 128), ("all", True, 4, 64)])
+def test_features_match_reference(rng, name, causal, hq, block_kv):
+    """Group 2 with 64-key tiles: a program's items are tiles of one request whose windows start on different
+    steps (the earlier ones pass over the later ones' first steps)."""
+    q, k, v, cu = _inputs(rng, FEATURE_LENS, hq, 2, 64, jnp.bfloat16)
+    kw = _features(rng, name, hq)
+    out, lse = varlen_attention(q, k, v, cu, max_seqlen=200, causal=causal, return_lse=True, backend="mosaic",
+                                config=MosaicPrefillConfig(block_kv=block_kv), **kw)
+    ref, ref_lse = reference.varlen_attention(q, k, v, cu, causal=causal, return_lse=True, **kw)
+    n = sum(FEATURE_LENS)
+    assert_attention_close(out, ref, dtype=jnp.bfloat16, valid_rows=n)
+    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-4, atol=2e-3)
+    assert np.all(np.asarray(out, np.float32)[n:] == 0) and np.all(np.asarray(lse)[n:] == -np.inf)
+
+
+@pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
+def test_window_keys_outside_every_window_hold_nan(rng):
+    """NaN in the keys of whole K/V tiles a window leaves behind: never loaded (the program's steps start at its
+    items' earliest window)."""
+    lens = [400]
+    q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16, pad=0)
+    kw = dict(max_seqlen=400, backend="mosaic", window_size=(20, -1))
+    out = np.asarray(varlen_attention(q, k, v, cu, **kw), np.float32)
+    # rows 320..399 (tiles 5, 6 of 64 rows) see keys from 300 on: K/V tiles 0, 1 (keys 0..255) are outside
+    bad = np.asarray(varlen_attention(q, k.at[:256].set(jnp.nan), v.at[:256].set(jnp.nan), cu, **kw), np.float32)
+    np.testing.assert_array_equal(bad[320:], out[320:])
+
+
+@pytest.mark.parametrize("feature", ["window", "all"])
+def test_features_lower_for_sm90(feature, rng):
+    kw = dict(window_size=(4095, 0))
+    if feature == "all":
+        kw.update(softcap=50.0)
+    heads = [jax.ShapeDtypeStruct((32,), jnp.float32)] * (2 if feature == "all" else 0)
+
+    def fn(q, k, v, cu, *h):
+        extra = dict(alibi_slopes=h[0], sinks=h[1]) if h else {}
+        return varlen_attention(q, k, v, cu, max_seqlen=32768, return_lse=True, interpret=False, backend="mosaic",
+                                **kw, **extra)
+
+    text = _lower(fn, jax.ShapeDtypeStruct((32768, 32, 128), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((32768, 8, 128), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((32768, 8, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32), *heads)
+    assert "mosaic_gpu" in text

@@ -44,9 +44,8 @@ MOSAIC_MIN_TOKENS = 2048
 
 
 def mosaic_unsupported(q, k, mods: masks.ScoreMods) -> str | None:
-    """Why the Mosaic prefill cannot run this call, or None."""
-    if mods != masks.NO_MODS:
-        return "window_size, softcap, alibi_slopes or sinks (the Triton kernel has them)"
+    """Why the Mosaic prefill cannot run this call, or None (it takes every model-family feature)."""
+    del mods
     return mosaic_prefill.supported(q, k)
 
 
@@ -132,8 +131,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     if backend == "mosaic":
         run = functools.partial(mosaic_prefill.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
                                 scale=float(scale), return_lse=return_lse, interpret=interpret,
-                                cfg=config or config_lib.default_mosaic_prefill_config(q.shape[-1]))
-        out, lse = common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens)
+                                cfg=config or config_lib.default_mosaic_prefill_config(q.shape[-1]), mods=mods)
+        out, lse = common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens, alibi_slopes, sinks)
         return (out, lse) if return_lse else out
     cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
     run = functools.partial(triton_prefill.varlen_attention_triton, max_seqlen=max_seqlen, causal=causal,

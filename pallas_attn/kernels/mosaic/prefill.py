@@ -25,6 +25,9 @@ Hopper's own instructions from Pallas (docs/design.md#backends):
 * ``cu_seqlens`` is read inside the kernel. Full tiles (■, every key before the tile's first query) run with no
   mask code, diagonal tiles (△) are masked from request-local positions, future tiles (·) are never computed.
   Non-causal: only the last tile masks keys past the request.
+* Model-family features (docs/design.md#model-family-features): with a window, a program's K/V stream starts at
+  its items' earliest window tile and an item's steps at its own (the left-edge tiles masked); soft-cap, ALiBi and
+  sinks are applied in registers, the scale still folded into the exponential.
 * Q and O stay in the packed layout (one shared-memory buffer: a warpgroup writes its O after its last Q Kᵀ).
   TMA into tiled (8 × 64, 128-byte swizzled; head dim 96: 8 × 32, 64-byte) shared memory needs row offsets it can
   prove are multiples of 8, so request ``b``'s tiles start at ``cu_seqlens[b]`` rounded down to 8: the first tile
@@ -134,9 +137,14 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
 
 
 def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref,
-            k_staged_ref, v_staged_ref, o_ref, lse_ref, scoped, *, group: int, num_work_slots: int, num_pad_slots: int,
-            max_seqlen: int, block_kv: int, mcs: int, causal: bool, scale2: float, compiled: bool, q_tiled_tma: bool,
-            p_chunks: int):
+            k_staged_ref, v_staged_ref, *refs, group: int, num_work_slots: int, num_pad_slots: int,
+            max_seqlen: int, block_kv: int, mcs: int, causal: bool, scale: float, mods: masks.ScoreMods,
+            compiled: bool, q_tiled_tma: bool, p_chunks: int):
+    # refs: [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), o, lse, the scratch
+    refs = list(refs)
+    slopes_ref = refs.pop(0) if mods.alibi else None
+    sinks_ref = refs.pop(0) if mods.sinks else None
+    o_ref, lse_ref, scoped = refs
     (q_and_o, k_smem, v_smem, lse_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     q_smem, o_smem = q_and_o  # one buffer: a warpgroup's O is written after its last Q Kᵀ
     kv_head = lax.axis_index("heads")
@@ -159,8 +167,9 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
 
     def item_of(i):
         """Warpgroup ``i``'s item ``first_item + i`` of (request b, this KV head): query tile ``m`` (item // group)
-        of head ``kv_head · group + item % group``. Returns (has one, q_head, row0, q0, lo, hi, full steps,
-        kv steps); kv steps 0 without an item."""
+        of head ``kv_head · group + item % group``. Returns (has one, q_head, row0, q0, lo, hi, (first step, first
+        unmasked step, end of the unmasked steps, kv steps)); steps [0, 0) without an item. Without a window the
+        first two are 0: every step from 0 is unmasked up to the diagonal."""
         item = first_item + i
         has = live & (item < num_items)
         m = lax.div(item, jnp.int32(group))
@@ -169,16 +178,39 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
         q0 = row0 - start  # request-local position of the tile's row 0 (negative: the previous request's rows)
         lo = jnp.maximum(-q0, 0)
         hi = jnp.minimum(seq_len - q0, BLOCK_Q)
-        full_steps, kv_steps = masks.kv_tile_ranges(q0 + lo, q0 + hi - 1, seq_len, block_kv, causal=causal)
-        return has, q_head, row0, q0, lo, hi, full_steps, jnp.where(has, kv_steps, 0)
+        if mods.windowed:
+            steps = masks.window_tile_ranges(q0 + lo, q0 + hi - 1, seq_len, block_kv,
+                                             (mods.window_left, mods.window_right), causal=causal)
+        else:
+            steps = (0, 0, *masks.kv_tile_ranges(q0 + lo, q0 + hi - 1, seq_len, block_kv, causal=causal))
+        first, full_first, full_steps, kv_steps = (jnp.int32(x) for x in steps)
+        return has, q_head, row0, q0, lo, hi, (jnp.where(has, first, 0), full_first, full_steps,
+                                               jnp.where(has, kv_steps, 0))
 
-    has_item, q_head, row0, q0, lo, hi, full_steps, kv_steps = item_of(wg)
-    # The memory warpgroup streams the K/V tiles of the longest item; a slot is refilled once every compute
-    # warpgroup released it (those with fewer steps release the rest without computing: see _release_rest).
-    cta_steps = functools.reduce(jnp.maximum, [item_of(i)[-1] for i in range(COMPUTE_WGS)])
+    has_item, q_head, row0, q0, lo, hi, (first_step, full_first, full_steps, kv_steps) = item_of(wg)
+    # The memory warpgroup streams the K/V tiles from the earliest item's first (a window's) to the longest item's
+    # last; a slot is refilled once every compute warpgroup released it (those whose steps start later or end
+    # sooner release those slots without computing: see _release_head and _release_rest).
+    items = [item_of(i) for i in range(COMPUTE_WGS)]
+    cta_steps = functools.reduce(jnp.maximum, [it[-1][-1] for it in items])
+    cta_first = jnp.int32(0)
+    if mods.window_left >= 0:
+        cta_first = functools.reduce(jnp.minimum, [jnp.where(it[0], it[-1][0], cta_steps) for it in items])
 
     def release(free, j):  # only steps the memory warpgroup refills (it waits for exactly those)
         pl.when(j + mcs < cta_steps)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j, jnp.int32(mcs))]))
+
+    def pass_over(start, end):
+        """Steps ``[start, end)`` this warpgroup does not compute: wait for each load and release the slot, so that
+        every refill gets its ``COMPUTE_WGS`` arrivals in phase order (and every completion is observed: the
+        interpreter checks)."""
+        @pl.loop(start, end)
+        def _(j):
+            slot = lax.rem(j, jnp.int32(mcs))
+            plgpu.barrier_wait(k_bar.at[slot])
+            release(k_free, j)
+            plgpu.barrier_wait(v_bar.at[slot])
+            release(v_free, j)
 
     @pl.when(has_item & (wg < COMPUTE_WGS))
     def _compute():
@@ -198,10 +230,33 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
         l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        def mask(j, s):  # request-local positions, in the wgmma register layout
+        def positions(j):  # request-local positions of the rows and columns, in the wgmma register layout
             rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 0, layout=plgpu.Layout.WGMMA) + q0
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, block_kv), 1, layout=plgpu.Layout.WGMMA) + j * block_kv
-            return jnp.where((cols <= rows) if causal else (cols < seq_len), s, -jnp.inf)
+            return rows, cols
+
+        def mask(j, s):
+            rows, cols = positions(j)
+            visible = (cols <= rows) if causal else (cols < seq_len)
+            if mods.window_left >= 0:
+                visible &= cols >= rows - mods.window_left
+            if mods.window_right >= 0:
+                visible &= cols <= rows + mods.window_right
+            return jnp.where(visible, s, -jnp.inf)
+
+        # The scale stays folded into the exponential's FMA (softmax_update_packed): soft-cap and ALiBi are written
+        # in units of the raw score. ALiBi: slope_h · (key - query) / scale; soft-cap: cap · tanh(s · scale / cap),
+        # then scaled by 1 (the cap's units are already the scaled score's).
+        exp_scale = softmax.LOG2E if mods.softcap > 0 else scale * softmax.LOG2E
+        slope = slopes_ref[q_head] / (1.0 if mods.softcap > 0 else scale) if mods.alibi else None
+
+        def scores(j, s):
+            if mods.softcap > 0:
+                s = jnp.tanh(s * (scale / mods.softcap)) * mods.softcap
+            if mods.alibi:
+                rows, cols = positions(j)
+                s = s + slope * (cols - rows).astype(jnp.float32)
+            return s
 
         def wait_k(j):
             pl.when(j < kv_steps)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(j, jnp.int32(mcs))]))
@@ -236,12 +291,12 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
                 plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+            s = scores(j, pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32)))
             release(k_free, j)
             if masked:
                 s = mask(j, s)
             # exponentials summed and packed a column block at a time: fewer live float32 registers
-            m_i, alpha, p, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, p_chunks, scale=scale2)
+            m_i, alpha, p, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, p_chunks, scale=exp_scale)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             # The softmax and the rescale ahead of the wait for V (as JAX's attention_mgpu keeps them ahead of its
             # ping-pong's barriers). ptxas follows the program order: each block of P is packed as its exponentials
@@ -252,9 +307,15 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
             release(v_free, j)
             return acc, m_i, l_i
 
-        wait_k(jnp.int32(0))
-        state = softmax.kv_loop((acc, m_i, l_i), 0, full_steps, kv_steps, step)
-        out, lse = softmax.finalize(state)
+        pass_over(cta_first, first_step)  # steps before this item's window: other items' keys
+        wait_k(first_step)
+        state = softmax.kv_loop((acc, m_i, l_i), first_step, full_steps, kv_steps, step,
+                                full_first if mods.windowed else None)
+        sink2 = None
+        if mods.sinks:  # the head's sink in base 2 joins the denominator, not the LSE
+            sink2 = plgpu.layout_cast(jnp.full((BLOCK_Q,), sinks_ref[q_head] * softmax.LOG2E, jnp.float32),
+                                      plgpu.Layout.WGMMA.reduce(1))
+        out, lse = softmax.finalize(state, sink2)
         o_smem.at[wg][...] = out.astype(dtype)
         if lse_ref is not None:
             lse_smem.at[wg][...] = lse
@@ -267,15 +328,8 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
     @pl.when(live & (wg < COMPUTE_WGS))
     def _release_rest():
         """The longest item's steps past this warpgroup's own (adjacent tiles of a causal request differ by one
-        step; no item: all of them): wait for each load and release the slot, so that every refill gets its
-        ``COMPUTE_WGS`` arrivals in phase order (and every completion is observed: the interpreter checks)."""
-        @pl.loop(kv_steps, cta_steps)
-        def _(j):
-            slot = lax.rem(j, jnp.int32(mcs))
-            plgpu.barrier_wait(k_bar.at[slot])
-            release(k_free, j)
-            plgpu.barrier_wait(v_bar.at[slot])
-            release(v_free, j)
+        step; no item: all of them)."""
+        pass_over(jnp.where(has_item, kv_steps, cta_first), cta_steps)
 
     @pl.when(live & (wg == COMPUTE_WGS))
     def _memory():
@@ -305,9 +359,10 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
             copy(v_ref, v_staged_ref, v_smem.at[slot], v_bar.at[slot])
 
         for i in range(mcs):
-            pl.when(i < cta_steps)(functools.partial(load, i, i))
+            step = cta_first + i
+            pl.when(step < cta_steps)(functools.partial(load, step, lax.rem(step, jnp.int32(mcs))))
 
-        @pl.loop(0, jnp.maximum(cta_steps - mcs, 0))
+        @pl.loop(cta_first, jnp.maximum(cta_steps - mcs, cta_first))
         def _refill(step):
             slot = lax.rem(step, jnp.int32(mcs))
             # K and V of a slot are refilled apart: the compute warpgroups release K a softmax before V
@@ -450,9 +505,9 @@ def _zero_ranges(cu_seqlens, num_tokens: int, max_seqlen: int):
     return jnp.concatenate([jnp.sum(nonempty, dtype=jnp.int32)[None], ranges.reshape(-1)])
 
 
-def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, *, num_slots: int,
-                 max_seqlen: int, causal: bool, scale: float, return_lse: bool, interpret: bool,
-                 cfg: config_lib.MosaicPrefillConfig):
+def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, features=(), *,
+                 num_slots: int, max_seqlen: int, causal: bool, scale: float, return_lse: bool, interpret: bool,
+                 cfg: config_lib.MosaicPrefillConfig, mods: masks.ScoreMods = masks.NO_MODS):
     """The kernel on K/V (rows in whole 8-row groups), their staged windows and a work list: ``out [T, Hq, D]``,
     ``lse_tiles f32[num_slots, Hkv, W, 64]``."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -476,7 +531,7 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
     body = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, num_work_slots=num_slots, num_pad_slots=num_pad_slots,
         max_seqlen=max_seqlen,
-        block_kv=block_kv, mcs=max_concurrent_steps, causal=causal, scale2=scale * softmax.LOG2E,
+        block_kv=block_kv, mcs=max_concurrent_steps, causal=causal, scale=scale, mods=mods,
         compiled=not interpret, q_tiled_tma=num_tokens % ROW_ALIGN == 0, p_chunks=cfg.p_chunks)
 
     def entry(*refs):
@@ -499,13 +554,15 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
         grid_names=("heads", "work"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=interpret_params,
     )(cu_seqlens, _zero_ranges(cu_seqlens, num_tokens, max_seqlen), kv_stage, q_tiles, work_req, work_item, q, k, v,
-      k_staged, v_staged)
+      k_staged, v_staged, *features)
 
 
-def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool, scale: float, return_lse: bool,
-                            interpret: bool, cfg: config_lib.MosaicPrefillConfig):
+def varlen_attention_mosaic(q, k, v, cu_seqlens, alibi_slopes=None, sinks=None, *, max_seqlen: int, causal: bool,
+                            scale: float, return_lse: bool, interpret: bool, cfg: config_lib.MosaicPrefillConfig,
+                            mods: masks.ScoreMods = masks.NO_MODS):
     """``out [T, Hq, D]`` (and ``lse f32[T, Hq]``); arguments validated by :func:`pallas_attn.varlen_attention`,
-    tuned by ``cfg`` (:class:`pallas_attn.core.config.MosaicPrefillConfig`)."""
+    tuned by ``cfg`` (:class:`pallas_attn.core.config.MosaicPrefillConfig`); ``alibi_slopes`` / ``sinks``
+    ``f32[Hq]`` exactly when ``mods`` says."""
     reason = supported(q, k)
     if reason is not None:
         raise ValueError(f"the Mosaic prefill does not support {reason}")
@@ -531,9 +588,10 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, *, max_seqlen: int, causal: boo
             # at 64 and 128) takes Mosaic GPU's layout inference many minutes to compile.
             q_in = pad_rows(q)
     out, lse_tiles = _call_kernel(
-        q_in, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item, num_slots=num_slots,
-        max_seqlen=max_seqlen,
-        causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, cfg=cfg)
+        q_in, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, work_req, work_item,
+        [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None], num_slots=num_slots,
+        max_seqlen=max_seqlen, causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, cfg=cfg,
+        mods=mods)
     out = out[:num_tokens]
     if not return_lse:
         return out, None
