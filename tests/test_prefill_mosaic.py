@@ -32,8 +32,7 @@ SCENARIOS = {
     "mha_group1": ([257, 64, 9], 2, 2, 64, True, jnp.bfloat16),
     # request 1 starts at 8: K/V windows 0-2 read in place (full for its last tiles), its partial window 3 staged
     "aligned_long_gqa2": ([8, 400, 3], 4, 2, 64, True, jnp.bfloat16),
-    # 96: 64-byte swizzled tiles; 256: 64-key K/V slots (two of 128 would not fit shared memory)
-    "d96_gqa2": ([70, 3, 64], 4, 2, 96, True, jnp.bfloat16),
+    # 256: 64-key K/V slots (two of 128 would not fit shared memory)
     "d256_mqa2": ([65, 2], 2, 1, 256, True, jnp.bfloat16),
 }
 
@@ -119,8 +118,9 @@ def test_padding_rounds(rng, monkeypatch):
 
 @pytest.mark.parametrize("kw, shapes, match", [
     (dict(), ((8, 4, 64), (8, 2, 64), jnp.float32), "dtype float32"),
-    (dict(), ((8, 4, 80), (8, 2, 80), jnp.bfloat16), r"head_dim=80 \(supported: 64, 96, 128, 256\)"),
-    (dict(), ((8, 4, 512), (8, 2, 512), jnp.bfloat16), r"head_dim=512 \(supported: 64, 96, 128, 256\)"),
+    (dict(), ((8, 4, 80), (8, 2, 80), jnp.bfloat16), r"head_dim=80 \(supported: 64, 128, 256\)"),
+    (dict(), ((8, 4, 512), (8, 2, 512), jnp.bfloat16), r"head_dim=512 \(supported: 64, 128, 256\)"),
+    (dict(), ((8, 4, 96), (8, 2, 96), jnp.bfloat16), r"head_dim=96 \(supported: 64, 128, 256\)"),
     (dict(backend="cuda"), ((8, 4, 64), (8, 2, 64), jnp.bfloat16), "backend must be one of"),
 ])
 def test_unsupported_inputs_raise(kw, shapes, match):
@@ -181,7 +181,6 @@ def test_config_past_shared_memory_raises(head_dim, config, need):
     (128, True, False, 8192, MosaicPrefillConfig(block_kv=64, max_concurrent_steps=4)),
     (64, True, True, 8192, MosaicPrefillConfig(block_kv=64, p_chunks=8)),  # 8-column blocks, the narrowest
     (64, True, False, 8192, MosaicPrefillConfig(max_concurrent_steps=3)),  # fits beside 64-wide heads
-    (96, True, True, 8195, None),  # 64-byte swizzled tiles
     (256, True, True, 8192, None), (256, False, False, 8195, None),  # 64-key slots; Q padded to whole 8-row groups
 ])
 def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, config):

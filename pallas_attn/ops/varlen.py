@@ -101,7 +101,7 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         K/V slot size and count, P's column blocks). A config selects its backend when ``backend`` is None and must
         match it otherwise (``TypeError`` naming both classes). None → the tuned default of the chosen backend.
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.prefill` (wgmma, TMA,
-        warp specialisation; bf16/fp16, head_dim 64, 96, 128 or 256 — anything else raises ``ValueError`` naming
+        warp specialisation; bf16/fp16, head_dim 64, 128 or 256 — anything else raises ``ValueError`` naming
         head_dim and that set; interpreted on CPU by the Mosaic GPU interpreter). None: the config's backend if one
         is given, else :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it applies and was measured
         faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]``, head dims 64 and 128, and
