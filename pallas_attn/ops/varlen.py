@@ -37,8 +37,7 @@ BACKENDS = backend_lib.BACKENDS
 CONFIG_TYPES = {"triton": config_lib.PrefillConfig, "mosaic": config_lib.MosaicPrefillConfig}  # backend → config
 # The default on sm_90: Mosaic from MOSAIC_MIN_SEQLEN[head_dim] on, in batches of at least MOSAIC_MIN_TOKENS rows;
 # below, its work list and K/V staging launch (10-23 µs a call) outweigh its faster tiles (at head dim 64, half the
-# matmul per softmax, it needs longer requests): docs/performance.md#prefill-backend-rule. Head dims without an entry
-# (96 and 256, which the kernel runs when asked) were not measured against Triton, so Triton runs them by default.
+# matmul per softmax, it needs longer requests): docs/performance.md#prefill-backend-rule.
 MOSAIC_MIN_SEQLEN = {128: 512, 64: 2048}
 MOSAIC_MIN_TOKENS = 2048
 
@@ -101,7 +100,7 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         K/V slot size and count, P's column blocks). A config selects its backend when ``backend`` is None and must
         match it otherwise (``TypeError`` naming both classes). None → the tuned default of the chosen backend.
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.prefill` (wgmma, TMA,
-        warp specialisation; bf16/fp16, head_dim 64, 128 or 256 — anything else raises ``ValueError`` naming
+        warp specialisation; bf16/fp16, head_dim 64 or 128 — anything else raises ``ValueError`` naming
         head_dim and that set; interpreted on CPU by the Mosaic GPU interpreter). None: the config's backend if one
         is given, else :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it applies and was measured
         faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]``, head dims 64 and 128, and

@@ -47,12 +47,12 @@ Hopper's own instructions from Pallas (docs/design.md#backends):
   not a neighbour's NaN: ``0 · NaN = NaN``). P1 and P2 stage nothing.
 * LSE (natural log) goes to a buffer ``[work slots, Hkv, 3, 64]`` (a 64-wide TMA store per item; ∝ T) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
-* Head dims 64, 128 and 256 (:data:`HEAD_DIMS`). Q, K, V (and P) tiles are swizzled as widely as a row allows
-  (:func:`swizzle_bytes`; 64 bytes at head dim 96, which lowers and runs in the interpreter but failed compiled on
-  an H200, so it is not in the list and runs on Triton). At 256 the three warpgroups' Q/O take 96 KiB, so two
-  64-key K/V slots (128 KiB) are what fits (:func:`pallas_attn.core.config.default_mosaic_prefill_config`); its
-  float32 accumulator alone is 128 of a compute warpgroup's 160 registers a thread, so expect spills there (not
-  measured on a GPU yet, and not the default: ``ops/varlen.py``'s rule sends 256 to Triton).
+* Head dims 64 and 128 (:data:`HEAD_DIMS`); any other runs on Triton. The tiles are swizzled as widely as a row
+  allows (:func:`swizzle_bytes`), and at 256 two 64-key K/V slots fit shared memory beside the three warpgroups'
+  Q/O (:func:`pallas_attn.core.config.default_mosaic_prefill_config`), but neither widening runs on an H200 yet:
+  96 (64-byte swizzle) lowers and runs in the interpreter and failed compiled; 256 does not assemble (ptxas: the
+  float32 accumulator and scores need more than the compute warpgroups' 160 registers a thread; two compute
+  warpgroups instead of three would give them the room).
 
 Its speed against cuDNN, JAX's attention_mgpu and the Triton kernel, and what each choice above bought:
 docs/performance.md#varlen-prefill-mosaic-gpu. Triton stays faster for short requests (this path's work list and
@@ -94,9 +94,8 @@ PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # rows a padding program zeroes per round (rows
 # unused work slots do (P1: ~1,400 such programs)
 MAX_PAD_SLOTS = 16
 STORE_CHUNKS = (64, 32, 16, 8, 4, 2, 1)  # TMA stores of [lo, hi) rows: greedy, each size at most once
-# Head dims whose rows are whole 128-byte swizzle tiles and whose Q/O and two K/V slots fit shared memory (256: 64-key
-# slots, config.default_mosaic_prefill_config); any other runs on Triton (96, 64-byte swizzled, failed compiled).
-HEAD_DIMS = (64, 128, 256)
+# Head dims that run compiled on an H200; any other runs on Triton (96 and 256: see the module docstring).
+HEAD_DIMS = (64, 128)
 
 
 def supported(q, k) -> str | None:
