@@ -152,6 +152,19 @@ def _check_decode(args, num_splits, **kw):
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], rtol=1e-5, atol=1e-5)
 
 
+def _paged_features(rng, kw):
+    """A case's keywords for 8 query heads: a dict as given, or "alibi" / "sinks" / "all" with fresh per-head
+    arrays."""
+    if kw == "alibi":
+        return dict(alibi_slopes=_heads(rng, 0.01, 0.3, 8))
+    if kw == "sinks":
+        return dict(sinks=_heads(rng, -2, 2, 8))
+    if kw == "all":
+        return dict(window_size=(20, -1), softcap=3.0, alibi_slopes=_heads(rng, 0.01, 0.3, 8),
+                    sinks=_heads(rng, -1, 1, 8))
+    return kw
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("kw", [
     dict(window_size=(0, -1)), dict(window_size=(15, -1)), dict(window_size=(16, -1)), dict(window_size=(17, -1)),
@@ -159,13 +172,7 @@ def _check_decode(args, num_splits, **kw):
 ], ids=["w0", "w15", "w16", "w17", "w500", "softcap", "alibi", "sinks", "all"])
 def test_decode_features(rng, kw, num_splits):
     args = _decode_inputs(rng)
-    if kw == "alibi":
-        kw = dict(alibi_slopes=_heads(rng, 0.01, 0.3, 8))
-    elif kw == "sinks":
-        kw = dict(sinks=_heads(rng, -2, 2, 8))
-    elif kw == "all":
-        kw = dict(window_size=(20, -1), softcap=3.0, alibi_slopes=_heads(rng, 0.01, 0.3, 8),
-                  sinks=_heads(rng, -1, 1, 8))
+    kw = _paged_features(rng, kw)
     _check_decode(args, num_splits, **kw)
 
 
@@ -261,13 +268,7 @@ WINDOWS = {f"w{l}" + (f"-{r}" if r >= 0 else ""): dict(window_size=(l, r))
                          + _cases(dict(all="all"), ["two-launches", "split3"]))
 def test_ragged_features(rng, kw, plan):
     args = _ragged_inputs(rng)
-    if kw == "alibi":
-        kw = dict(alibi_slopes=_heads(rng, 0.01, 0.3, 8))
-    elif kw == "sinks":
-        kw = dict(sinks=_heads(rng, -2, 2, 8))
-    elif kw == "all":
-        kw = dict(window_size=(20, -1), softcap=3.0, alibi_slopes=_heads(rng, 0.01, 0.3, 8),
-                  sinks=_heads(rng, -1, 1, 8))
+    kw = _paged_features(rng, kw)
     _check_ragged(args, **kw, **RAGGED_PLANS[plan])
 
 

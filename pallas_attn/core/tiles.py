@@ -145,6 +145,28 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
     return step
 
 
+def paged_tile_plan(q_first, q_last, kv_len, block_n: int, split, num_splits: int, split_size: int | None,
+                    mods: masks.ScoreMods, guarded):
+    """The key tiles of one program of the paged kernels, whose rows sit at absolute positions ``[q_first,
+    q_last]``: ``(tile_start, full_start | None, full_end, kv_end, kv_first | None)`` for
+    :func:`pallas_attn.core.softmax.kv_loop` and :func:`paged_kv_step`. With a left window the split shares out only
+    the tiles from the first row's window on, and ``kv_first`` is that first key; ``guarded`` (a page outside the
+    pool) sends every tile through the masked step."""
+    kv_first = jnp.maximum(q_first - mods.window_left, 0) if mods.window_left >= 0 else None
+    tile_start, tile_end = split_tile_range(split, num_splits, kv_len, block_n, split_size,
+                                            0 if kv_first is None else kv_first // block_n)
+    full_start = None
+    if mods.windowed:
+        tile_start, full_start, full_end, kv_end = masks.window_tile_ranges(
+            q_first, q_last, kv_len, block_n, (mods.window_left, mods.window_right), tile_start=tile_start,
+            tile_end=tile_end)
+        full_start = jnp.where(guarded, tile_start, full_start)
+    else:
+        full_end, kv_end = masks.kv_tile_ranges(q_first, q_last, kv_len, block_n, tile_start=tile_start,
+                                                tile_end=tile_end)
+    return tile_start, full_start, jnp.where(guarded, tile_start, full_end), kv_end, kv_first
+
+
 def split_tile_range(split, num_splits: int, kv_len, block_n: int, split_size: int | None, first_tile=0):
     """Key tiles ``[tile_start, tile_end)`` of split ``split`` (split-KV segments, aligned to ``block_n``).
 

@@ -57,30 +57,17 @@ def _decode_kernel(
     q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [rows, Dp]
     ctx = jnp.clip(seq_lens_ref[b], 0, max_blocks * block_size)  # a length past the table reads nothing more
     q_pos = jnp.full((rows,), ctx - 1)  # the query is the last position: every key is visible
-    # a left window: the tiles before it are never loaded, and the splits share out only the window's tiles
-    first_tile = jnp.maximum(ctx - 1 - mods.window_left, 0) // block_n if mods.window_left >= 0 else 0
 
-    tile_start, tile_end = tiles.split_tile_range(split, num_splits, ctx, block_n, split_size, first_tile)
-    full_start = None
-    if mods.windowed:
-        tile_start, full_start, full_end, kv_end = masks.window_tile_ranges(
-            ctx - 1, ctx - 1, ctx, block_n, (mods.window_left, mods.window_right), tile_start=tile_start,
-            tile_end=tile_end)
-    else:
-        full_end, kv_end = masks.kv_tile_ranges(ctx - 1, ctx - 1, ctx, block_n, tile_start=tile_start,
-                                                tile_end=tile_end)
+    tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
+        ctx - 1, ctx - 1, ctx, block_n, split, num_splits, split_size, mods, guarded=pages_ok_ref[b] == 0)
     num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
-    guarded = pages_ok_ref[b] == 0  # a page outside the pool: every tile guarded
-    full_end = jnp.where(guarded, tile_start, full_end)
-    if full_start is not None:
-        full_start = jnp.where(guarded, tile_start, full_start)
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
     step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, b * max_blocks, ctx, kv_head, cols=cols,
                                block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
                                num_pages=num_pages, scale=scale, dot=dot, mods=mods,
                                slope2=tiles.load_vector(slopes_ref, q_rows % num_q_heads, row_valid) * softmax.LOG2E
                                if mods.alibi else None,
-                               kv_first=jnp.maximum(ctx - 1 - mods.window_left, 0) if mods.window_left >= 0 else None)
+                               kv_first=kv_first)
     state = softmax.kv_loop(softmax.init_state(rows, q_ref.shape[-1]), tile_start, full_end, kv_end, step,
                             full_start)
     # an empty split (or context 0) gives 0 and -inf; split partials leave the sink to the merge

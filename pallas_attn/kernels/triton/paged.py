@@ -173,31 +173,16 @@ def _ragged_kernel(
         q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [M, Dp]
         q_pos = context + tok  # absolute positions: the rectangle + triangle of verification
         q_last = context + jnp.minimum(first + block_q, q_len) - 1
-        # a left window: tiles before the block's first row's window are never loaded, and the splits share out
-        # only the tiles from there on
-        first_tile = (jnp.maximum(context + first - mods.window_left, 0) // block_n if mods.window_left >= 0
-                      else 0)
-        tile_start, tile_end = tiles.split_tile_range(split, num_splits, seq_len, block_n, split_size, first_tile)
-        full_start = None
-        if mods.windowed:
-            tile_start, full_start, full_end, kv_end = masks.window_tile_ranges(
-                context + first, q_last, seq_len, block_n, (mods.window_left, mods.window_right),
-                tile_start=tile_start, tile_end=tile_end)
-        else:
-            full_end, kv_end = masks.kv_tile_ranges(context + first, q_last, seq_len, block_n, tile_start=tile_start,
-                                                    tile_end=tile_end)
+        tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
+            context + first, q_last, seq_len, block_n, split, num_splits, split_size, mods,
+            guarded=pages_ok_ref[req] == 0)
         num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
-        guarded = pages_ok_ref[req] == 0  # a page outside the pool: every tile guarded
-        full_end = jnp.where(guarded, tile_start, full_end)
-        if full_start is not None:
-            full_start = jnp.where(guarded, tile_start, full_start)
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, req * max_blocks, seq_len, kv_head,
                                    cols=cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
                                    num_pages=num_pages, scale=scale, dot=dot, mods=mods,
                                    slope2=head_vector(slopes_ref) if mods.alibi else None,
-                                   kv_first=(jnp.maximum(context + first - mods.window_left, 0)
-                                             if mods.window_left >= 0 else None))
+                                   kv_first=kv_first)
         state = softmax.kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end, step,
                                 full_start)
         # split partials (compact or not) leave the sink to their merge
