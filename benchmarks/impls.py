@@ -276,8 +276,8 @@ OUR_IMPLS: list[Impl] = [
     Impl(f"{OURS}/paged", lambda s: s.kind == "decode" and not s.family, _prepare_decode_as_ragged, anchor=False,
          features=takes("paged_attention")),
     Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False, features=_parts_features),
-    # the Mosaic prefill has none of the model-family features (varlen_attention runs them on Triton)
-    Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_prefill(b, o, backend="mosaic"), anchor=False),
+    Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_prefill(b, o, backend="mosaic"), anchor=False,
+         features=takes_for_kind),
     Impl(f"{OURS}/triton", lambda s: s.kind in ("prefill", "sparse"),
          lambda b, o: (_prepare_sparse if b[0].spec.kind == "sparse" else _prepare_prefill)(b, o, backend="triton"),
          anchor=False, features=takes_for_kind),

@@ -17,9 +17,9 @@ workloads whose function takes all its keyword arguments; ``config.`` fields the
 A model-family key (``window_size=127/0``, ``softcap=50``, ``sinks=1``, ``alibi=1``) changes the workload the row
 runs (:class:`benchmarks.workloads.Spec`'s fields of the same names): the sinks and slopes are those
 :func:`benchmarks.workloads.build_arrays` drew, the reference check uses the feature too, and the metrics count what
-the feature leaves visible. Such a row's ``ratio_to_twin`` is its metric over the same call without the feature: the
-``pallas_attn`` row, or on prefill ``pallas_attn/triton`` (``varlen_attention`` runs every feature on the Triton
-kernel, while its default row may run Mosaic); any other variant's is over the ``pallas_attn`` row.
+the feature leaves visible. Such a row's ``ratio_to_twin``, like any other variant's, is its metric over the
+``pallas_attn`` row: the same call without it (both on the backend ``varlen_attention``'s default rule picks, which
+takes the features on either prefill kernel).
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ class Variant:
         return dataclasses.replace(spec, **dict(self.features)) if self.features else spec
 
     def twin_impl(self, spec: Spec) -> str:
-        if self.features and spec.kind == "prefill":
-            return f"{OURS}/triton"
         return OURS
 
 

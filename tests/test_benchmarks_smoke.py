@@ -124,9 +124,9 @@ def test_anchors_without_the_features_do_not_run_on_them():
         assert not any(every[n].anchor for n in served - {"jnp"}), served
     p1 = wl.WORKLOADS["P1"]
     mosaic = every["pallas_attn/mosaic"]
-    assert mosaic.unsupported(wl.WORKLOADS["W2"]) == {"window_size"}
+    assert not mosaic.unsupported(wl.WORKLOADS["W2"])  # the Hopper prefill takes every feature too
     sinks = variants.make_impl(variants.parse("sinks:sinks=1"))
-    assert sinks.spec_for(p1).features == {"sinks"} and sinks.twin_impl(p1) == "pallas_attn/triton"
+    assert sinks.spec_for(p1).features == {"sinks"} and sinks.twin_impl(p1) == "pallas_attn"
     assert not every["cudnn"].serves(sinks.spec_for(p1))
 
 
@@ -314,3 +314,15 @@ def test_budget_estimates_prefer_what_was_measured(tmp_path):
     assert est.case(p1, "jnp") == 42.0 and est.setup(p1) == 7.0
     assert est.case(p2, "jnp") == run.CASE_S["P2"] and est.setup(p2) == run.SETUP_S["P2"]  # other --target-s
     assert run.Estimates(0.5).case(wl.prefill_rule_specs()[0], "pallas_attn") == run.FAMILY_CASE_S
+
+
+def test_lab_ab_times_a_model_family_feature(tmp_path, monkeypatch):
+    """``benchmarks.lab.ab --b softcap=50``: the feature's cost, B with the feature on the same batch (no output
+    difference recorded: B computes something else); ``--unroll`` wraps both."""
+    from benchmarks.lab import ab
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert ab.main(["--b", "softcap=50", "--only", "D1", "--tiny", "--reps", "1", "--unroll", "2",
+                    "--json", "feature.json"]) == 0
+    [row] = json.loads((tmp_path / "feature.json").read_text())["rows"]
+    assert row["workload"] == "D1" and row["rel_l2_b_vs_a"] is None and math.isfinite(row["gain"])

@@ -29,14 +29,29 @@ def batch(s: wl.Spec, key: int = 0) -> wl.Batch:
 
 def kwargs(text: str, s: wl.Spec) -> dict:
     """A variant body (``backend=mosaic,config.p_chunks=4``; ``default`` for none) → the call's keyword arguments,
-    as ``--variant`` resolves them."""
+    as ``--variant`` resolves them (model-family keys: :func:`prepared`, which changes the batch too)."""
     if text.strip() in ("", "default"):
         return {}
     variant = variants.parse(f"lab:{text}")
-    if variant.features:  # they change the workload, not the call: the harness's --variant runs them
-        raise SystemExit(f"{text!r}: model-family keys ({', '.join(k for k, _ in variant.features)}) are "
-                         "benchmarks.run --variant's, not the lab's")
+    if variant.features:
+        raise SystemExit(f"{text!r}: model-family keys ({', '.join(k for k, _ in variant.features)}) change the "
+                         "workload's batch: use common.prepared")
     return variants.resolve(s, variant)
+
+
+def has_features(text: str) -> bool:
+    """The variant body turns a model-family feature on."""
+    return text.strip() not in ("", "default") and bool(variants.parse(f"lab:{text}").features)
+
+
+def prepared(b: wl.Batch, text: str) -> impls.Prepared:
+    """Our function on ``b`` with a variant body, model-family keys included (``softcap=50``, ``sinks=1``: the
+    batch's own sinks and slopes, as the harness's ``--variant`` runs them); ``.args`` are the call's arguments."""
+    if text.strip() in ("", "default"):
+        return ours(b, {})
+    variant = variants.parse(f"lab:{text}")
+    b = wl.with_spec(b, variant.spec_for(b.spec))
+    return ours(b, variants.resolve(b.spec, variant))
 
 
 def ours(b: wl.Batch, kw: dict) -> impls.Prepared:
@@ -66,18 +81,20 @@ def unrolled(fn, args: tuple, n: int):
     return lambda *a: jitted(jnp.int32(0), *a)
 
 
-def interleaved(fns, args: tuple, *, reps: int = 7, inner: int = 10) -> list[list[float]]:
+def interleaved(fns, args, *, reps: int = 7, inner: int = 10) -> list[list[float]]:
     """Seconds a call of each of ``fns``, per round: every round times each function in turn (``inner`` calls
-    back to back, one wait), so drift of clocks with power and temperature reaches all of them alike."""
-    for f in fns:
+    back to back, one wait), so drift of clocks with power and temperature reaches all of them alike. ``args``: one
+    tuple for all, or a list of tuples, one per function."""
+    per_fn = args if isinstance(args, list) else [args] * len(fns)
+    for f, a in zip(fns, per_fn):
         for _ in range(2):
-            jax.block_until_ready(f(*args))
+            jax.block_until_ready(f(*a))
     times = [[] for _ in fns]
     for _ in range(reps):
-        for f, t_f in zip(fns, times):
+        for f, a, t_f in zip(fns, per_fn, times):
             t0 = time.perf_counter()
             for _ in range(inner):
-                out = f(*args)
+                out = f(*a)
             jax.block_until_ready(out)
             t_f.append((time.perf_counter() - t0) / inner)
     return times
