@@ -97,23 +97,32 @@ def test_bad_page_in_any_tile_guards_the_request(rng, bad_page, num_splits):
     _like_reference(out, reference.paged_attention(q, kc, vc, bt, sl, cu))
 
 
-@pytest.mark.parametrize("lens, bad, want", [
-    ([8, 5], [], [1, 1]),
-    ([8, 5], [(0, 1)], [0, 1]),
-    ([8, 5], [(1, 2)], [1, 1]),  # request 1 uses entries 0 and 1 only
-    ([99, 0], [(0, 2), (1, 0)], [0, 1]),  # a length past the capacity uses the whole row; length 0 uses none
-    ([-4, 2], [(0, 0)], [1, 1]),  # a negative length uses none
+@pytest.mark.parametrize("key_start, key_end, bad, want", [
+    (0, 12, [], True),
+    (0, 12, [1], False),
+    (0, 5, [2], True),  # keys 0..4 sit on entries 0 and 1: entry 2 is never read
+    (4, 8, [0, 2], True),  # a split's keys: its own entry (1) only
+    (9, 9, [0, 1, 2], True),  # no key: nothing to check
+    (0, 12, [3], True),  # the entry after the request's last key is not read
 ])
-def test_pages_in_pool_reads_only_the_entries_a_request_uses(lens, bad, want):
-    """Entries past a request's pages (here -1) never count; a length past the capacity uses the whole row."""
-    from pallas_attn.core import metadata
-    tables = np.full((2, 3), -1, np.int32)  # block size 4: capacity 12
-    for b, n in enumerate(lens):
-        tables[b, :min(max(-(-n // 4), 0), 3)] = 1
-    for b, j in bad:
-        tables[b, j] = 7  # past a pool of 4 pages
-    got = metadata.pages_in_pool(jnp.asarray(tables), jnp.asarray(lens, jnp.int32), 4, 4)
-    np.testing.assert_array_equal(np.asarray(got), want)
+def test_program_pages_in_pool_reads_only_its_own_entries(key_start, key_end, bad, want):
+    """The check a paged program runs before its key loop reads the table entries of its keys only; entries past a
+    request's pages (here -1) never count."""
+    from jax.experimental import pallas as pl
+
+    from pallas_attn.core import tiles
+
+    table = np.full(8, -1, np.int32)  # row 1 of a 2 × 4 table (block size 4): keys 0..11 on entries 4..6
+    table[4:7] = 1
+    for j in bad:
+        table[4 + j] = 7  # past a pool of 4 pages
+
+    def kernel(table_ref, ok_ref):
+        ok_ref[0] = tiles.program_pages_in_pool(table_ref, 4, key_start, key_end, 4, 4, 4).astype(jnp.int32)
+
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), interpret=True)(
+        jnp.asarray(table))
+    assert bool(got[0]) == want
 
 
 # ------------------------------------------------------------------------------------------------ ragged paged

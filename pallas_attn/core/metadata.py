@@ -400,26 +400,6 @@ def clamp_cu(cu, num_tokens: int):
     return jnp.minimum(jax.lax.cummax(jnp.maximum(cu, 0)), num_tokens).astype(cu.dtype)
 
 
-def pages_in_pool(block_tables, seq_lens, block_size: int, num_pages: int, window_left: int = -1, q_lens=None):
-    """``i32[num_seqs]``: 1 where every table entry request ``b`` uses (its first ``cdiv(seq_lens[b], block_size)``,
-    the length clamped to the table's capacity) is a page id in ``[0, num_pages)``, else 0. One small fusion before
-    the paged kernels: a request that fails it runs every key tile through the guarded step (a page outside the
-    pool is never read), one that passes runs its full tiles with no mask at all
-    (docs/performance.md#the-cost-of-the-isolation-guards).
-
-    With a left window, pages wholly before the first query's window are not used (they may be freed already);
-    the first query sits at ``seq_lens[b] - q_lens[b]`` (``q_lens`` ``i32[num_seqs]``, default 1: decode)."""
-    max_blocks = block_tables.shape[1]
-    lens = jnp.clip(seq_lens, 0, max_blocks * block_size)
-    idx = jnp.arange(max_blocks, dtype=jnp.int32)[None, :]
-    used = idx < ((lens + block_size - 1) // block_size)[:, None]
-    if window_left >= 0:
-        first_query = lens - (1 if q_lens is None else jnp.clip(q_lens, 1, None))
-        used &= idx >= (jnp.maximum(first_query - window_left, 0) // block_size)[:, None]
-    bad = used & ((block_tables < 0) | (block_tables >= num_pages))
-    return 1 - jnp.max(bad, axis=1, initial=False).astype(jnp.int32)
-
-
 def token_requests(cu_query_lens, num_tokens: int):
     """``i32[num_tokens]``: the request that owns each packed row (``cu_query_lens[b] <= row < cu_query_lens[b+1]``),
     -1 for rows no request owns (before ``cu_query_lens[0]``, at or past ``cu_query_lens[-1]``). Traceable (jnp);

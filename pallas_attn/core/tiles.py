@@ -102,6 +102,31 @@ def paged_rows(block_table_ref, table_base, pos, block_size: int, num_kv_heads: 
     return (page * block_size + pos % block_size) * num_kv_heads + kv_head, page_ok
 
 
+PAGE_CHECK_CHUNK = 256  # table entries a program checks per vector load (program_pages_in_pool)
+
+
+def program_pages_in_pool(block_table_ref, table_base, key_start, key_end, block_size: int, num_pages: int,
+                          max_blocks: int):
+    """Scalar bool: every page holding key positions ``[key_start, key_end)`` of the request whose table row starts
+    at ``table_base`` has an id in ``[0, num_pages)``. One pass over the program's own table entries,
+    ``PAGE_CHECK_CHUNK`` at a time, before its KV loop: a fusion computing it for every request before the kernel
+    measured slower (one more launch: docs/performance.md#the-cost-of-the-isolation-guards). ``key_end`` must not
+    pass the table's capacity."""
+    first = key_start // block_size
+    last = (key_end + block_size - 1) // block_size  # exclusive
+    chunk = min(1 << max(max_blocks - 1, 0).bit_length(), PAGE_CHECK_CHUNK)
+    idx = jnp.arange(chunk)
+
+    def count_bad(c, bad):
+        logical = first + c * chunk + idx
+        used = logical < last
+        page = plgpu.load(block_table_ref.at[table_base + logical], mask=used, other=0)
+        return bad + jnp.sum((used & ((page < 0) | (page >= num_pages))).astype(jnp.int32))
+
+    num_chunks = jnp.where(key_end > key_start, last - first + chunk - 1, 0) // chunk  # no key: nothing read
+    return jax.lax.fori_loop(0, num_chunks, count_bad, jnp.int32(0)) == 0
+
+
 def dot_precision(dtype):
     """float32 inputs use full-precision (IEEE) dots; bf16/fp16 the tensor-core default."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
@@ -115,8 +140,8 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
 
     ``q [M, Dp]`` rows sit at absolute positions ``q_pos [M]`` of a request with ``kv_len`` keys; key tile ``j``
     covers positions ``[j*block_n, (j+1)*block_n)``, read through the request's block table. Unmasked tiles (■)
-    build no mask at all: the kernels send tiles here only for a request whose pages are all in the pool
-    (:func:`pallas_attn.core.metadata.pages_in_pool`). Masked tiles mask loads past ``kv_len`` (the table is not
+    build no mask at all: the kernels send tiles here only for a program whose pages are all in the pool
+    (:func:`program_pages_in_pool`). Masked tiles mask loads past ``kv_len`` (the table is not
     read there) and apply ``key_pos <= query_pos`` (a full rectangle plus a bottom-right triangle), and keys on a
     page id outside the pool are never loaded and score ``-inf``. ``kv_first``: with a left window, the first key
     any row of the tile sees; masked tiles neither read the table nor load keys below it (those slots, or whole
@@ -150,8 +175,9 @@ def paged_tile_plan(q_first, q_last, kv_len, block_n: int, split, num_splits: in
     """The key tiles of one program of the paged kernels, whose rows sit at absolute positions ``[q_first,
     q_last]``: ``(tile_start, full_start | None, full_end, kv_end, kv_first | None)`` for
     :func:`pallas_attn.core.softmax.kv_loop` and :func:`paged_kv_step`. With a left window the split shares out only
-    the tiles from the first row's window on, and ``kv_first`` is that first key; ``guarded`` (a page outside the
-    pool) sends every tile through the masked step."""
+    the tiles from the first row's window on, and ``kv_first`` is that first key. ``guarded`` (a page outside the
+    pool: every tile goes through the masked step) is a scalar, or a function of the program's keys
+    ``(key_start, key_end) -> guarded`` that checks them (:func:`program_pages_in_pool`)."""
     kv_first = jnp.maximum(q_first - mods.window_left, 0) if mods.window_left >= 0 else None
     tile_start, tile_end = split_tile_range(split, num_splits, kv_len, block_n, split_size,
                                             0 if kv_first is None else kv_first // block_n)
@@ -160,10 +186,14 @@ def paged_tile_plan(q_first, q_last, kv_len, block_n: int, split, num_splits: in
         tile_start, full_start, full_end, kv_end = masks.window_tile_ranges(
             q_first, q_last, kv_len, block_n, (mods.window_left, mods.window_right), tile_start=tile_start,
             tile_end=tile_end)
-        full_start = jnp.where(guarded, tile_start, full_start)
     else:
         full_end, kv_end = masks.kv_tile_ranges(q_first, q_last, kv_len, block_n, tile_start=tile_start,
                                                 tile_end=tile_end)
+    if callable(guarded):
+        key_start = tile_start * block_n if kv_first is None else jnp.maximum(tile_start * block_n, kv_first)
+        guarded = guarded(key_start, jnp.minimum(kv_end * block_n, kv_len))
+    if full_start is not None:
+        full_start = jnp.where(guarded, tile_start, full_start)
     return tile_start, full_start, jnp.where(guarded, tile_start, full_end), kv_end, kv_first
 
 

@@ -25,14 +25,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
+from pallas_attn.core import config as config_lib, masks, softmax, tiles
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
 def _decode_kernel(
     # inputs
     seq_lens_ref,  # i32[num_seqs]: keys of each query, its own included
-    pages_ok_ref,  # i32[num_seqs]: 1 where every page the request uses is in the pool (metadata.pages_in_pool)
     block_tables_ref,  # i32[num_seqs * max_blocks]
     q_ref,  # [num_seqs * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
@@ -58,9 +57,14 @@ def _decode_kernel(
     ctx = jnp.clip(seq_lens_ref[b], 0, max_blocks * block_size)  # a length past the table reads nothing more
     q_pos = jnp.full((rows,), ctx - 1)  # the query is the last position: every key is visible
 
-    tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
-        ctx - 1, ctx - 1, ctx, block_n, split, num_splits, split_size, mods, guarded=pages_ok_ref[b] == 0)
     num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
+
+    def guarded(key_start, key_end):  # a page of the program's keys outside the pool: every tile masked
+        return ~tiles.program_pages_in_pool(block_tables_ref, b * max_blocks, key_start, key_end, block_size,
+                                            num_pages, max_blocks)
+
+    tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
+        ctx - 1, ctx - 1, ctx, block_n, split, num_splits, split_size, mods, guarded=guarded)
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
     step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, b * max_blocks, ctx, kv_head, cols=cols,
                                block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
@@ -104,7 +108,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, alibi_slope
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_splits),
-        in_specs=[vec(num_seqs), vec(num_seqs), vec(num_seqs * max_blocks), full(num_seqs * num_q_heads),
+        in_specs=[vec(num_seqs), vec(num_seqs * max_blocks), full(num_seqs * num_q_heads),
                   full(cache_rows), full(cache_rows)] + [vec(num_q_heads)] * len(features),
         out_specs=[full(out_rows), vec(out_rows)],
         out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
@@ -112,7 +116,6 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, alibi_slope
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"paged_decode_d{head_dim}_bs{block_size}" + ("_split" if partial else ""),
-    )(seq_lens, metadata.pages_in_pool(block_tables, seq_lens, block_size, num_blocks, mods.window_left),
-      block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
+    )(seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
       v_cache.reshape(-1, head_dim), *features)
     return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype, sinks if num_splits > 1 else None)

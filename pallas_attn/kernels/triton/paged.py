@@ -118,7 +118,6 @@ def _ragged_kernel(
     block_first_ref,  # i32[num_q_blocks]: first request-local token of the block
     cu_query_lens_ref,  # i32[num_seqs + 1]
     seq_lens_ref,  # i32[num_seqs]
-    pages_ok_ref,  # i32[num_seqs]: 1 where every page the request uses is in the pool (metadata.pages_in_pool)
     block_tables_ref,  # i32[num_seqs * max_blocks]
     q_ref,  # [T * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
@@ -173,10 +172,14 @@ def _ragged_kernel(
         q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [M, Dp]
         q_pos = context + tok  # absolute positions: the rectangle + triangle of verification
         q_last = context + jnp.minimum(first + block_q, q_len) - 1
-        tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
-            context + first, q_last, seq_len, block_n, split, num_splits, split_size, mods,
-            guarded=pages_ok_ref[req] == 0)
         num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
+
+        def guarded(key_start, key_end):  # a page of the program's keys outside the pool: every tile masked
+            return ~tiles.program_pages_in_pool(block_tables_ref, req * max_blocks, key_start, key_end, block_size,
+                                                num_pages, max_blocks)
+
+        tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
+            context + first, q_last, seq_len, block_n, split, num_splits, split_size, mods, guarded=guarded)
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, req * max_blocks, seq_len, kv_head,
                                    cols=cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
@@ -286,12 +289,9 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
 
     full = lambda n, w=padded: pl.BlockSpec((n, w), lambda *_: (0, 0))  # noqa: E731
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))  # noqa: E731
-    q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
     features = [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None]
-    args = (cu_query_lens, seq_lens,
-            metadata.pages_in_pool(block_tables, seq_lens, block_size, num_blocks, mods.window_left, q_lens),
-            block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
-            v_cache.reshape(-1, head_dim), *features)
+    args = (cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim),
+            k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim), *features)
     prev, merge_in = (), None  # the last launch's token-row outputs; compact partials awaiting their merge
     for block_q, num_q_blocks, query_class, pass_cfg, (splits, size), compact in passes:
         rows_per_tile = block_q * group_padded
@@ -299,7 +299,7 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
                     else (splits if splits > 1 else 1) * num_tokens * num_q_heads)
         block_req, block_first = _query_blocks(cu_query_lens, block_q, num_q_blocks, query_class)
         merge = None
-        in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs), vec(num_seqs),
+        in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs),
                     vec(num_seqs * max_blocks), full(num_tokens * num_q_heads), full(cache_rows), full(cache_rows)]
         in_specs += [vec(num_q_heads)] * len(features)
         extra = []
