@@ -32,6 +32,13 @@ SCENARIOS = {
     "mha_group1": ([257, 64, 9], 2, 2, 64, True, jnp.bfloat16),
     # request 1 starts at 8: K/V windows 0-2 read in place (full for its last tiles), its partial window 3 staged
     "aligned_long_gqa2": ([8, 400, 3], 4, 2, 64, True, jnp.bfloat16),
+    # narrower heads run zero-padded to the next kernel width: 96 and 80 at 128 (Phi-3, ...), 32 at 64
+    "d96_gqa2": ([70, 3, 130], 4, 2, 96, True, jnp.bfloat16),
+    "d80_noncausal": ([65, 9], 2, 1, 80, False, jnp.float16),
+    "d32_gqa4": ([64, 1, 100], 4, 1, 32, True, jnp.bfloat16),
+    # 256: two compute warpgroups (two items a program), 64-key K/V slots (two of 128 would not fit shared memory)
+    "d256_mqa2": ([65, 2], 2, 1, 256, True, jnp.bfloat16),
+    "d192_gqa3": ([70, 130], 6, 2, 192, True, jnp.bfloat16),  # zero-padded to 256; 3 items of a program's 2
 }
 
 
@@ -116,10 +123,8 @@ def test_padding_rounds(rng, monkeypatch):
 
 @pytest.mark.parametrize("kw, shapes, match", [
     (dict(), ((8, 4, 64), (8, 2, 64), jnp.float32), "dtype float32"),
-    (dict(), ((8, 4, 80), (8, 2, 80), jnp.bfloat16), r"head_dim=80 \(supported: 64, 128\)"),
-    (dict(), ((8, 4, 512), (8, 2, 512), jnp.bfloat16), r"head_dim=512 \(supported: 64, 128\)"),
-    (dict(), ((8, 4, 96), (8, 2, 96), jnp.bfloat16), r"head_dim=96 \(supported: 64, 128\)"),
-    (dict(), ((8, 4, 256), (8, 2, 256), jnp.bfloat16), r"head_dim=256 \(supported: 64, 128\)"),
+    (dict(), ((8, 4, 512), (8, 2, 512), jnp.bfloat16), r"head_dim=512 \(supported: multiples of 8 up to 256\)"),
+    (dict(), ((8, 4, 264), (8, 2, 264), jnp.bfloat16), r"head_dim=264 \(supported: multiples of 8 up to 256\)"),
     (dict(backend="cuda"), ((8, 4, 64), (8, 2, 64), jnp.bfloat16), "backend must be one of"),
 ])
 def test_unsupported_inputs_raise(kw, shapes, match):
@@ -164,6 +169,7 @@ def test_bad_mosaic_config_raises(kw, match):
 
 @pytest.mark.parametrize("head_dim, config, need", [
     (128, MosaicPrefillConfig(max_concurrent_steps=3), 245760),  # three 128-key slots at head dim 128
+    (256, MosaicPrefillConfig(), 327680),  # two 128-key slots at 256 (its default: two of 64 keys)
 ])
 def test_config_past_shared_memory_raises(head_dim, config, need):
     """K/V slots and the three warpgroups' Q/O that outgrow the 227 KB."""
@@ -179,6 +185,8 @@ def test_config_past_shared_memory_raises(head_dim, config, need):
     (128, True, False, 8192, MosaicPrefillConfig(block_kv=64, max_concurrent_steps=4)),
     (64, True, True, 8192, MosaicPrefillConfig(block_kv=64, p_chunks=8)),  # 8-column blocks, the narrowest
     (64, True, False, 8192, MosaicPrefillConfig(max_concurrent_steps=3)),  # fits beside 64-wide heads
+    (96, True, True, 8195, None),  # zero-padded to 128
+    (256, True, True, 8192, None), (256, False, False, 8195, None),  # 64-key slots; Q padded to whole 8-row groups
 ])
 def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, config):
     """The compiled path's lowering (wgmma, TMA, barriers → Mosaic GPU MLIR for sm_90), checked without a GPU at a
@@ -204,10 +212,10 @@ def test_lowers_for_cuda(head_dim, causal, return_lse, num_tokens, config):
     (True, False, jnp.bfloat16, 64, 8192, 29184, "mosaic"),  # P1 at head_dim 64: Mosaic measured faster
     (True, False, jnp.bfloat16, 64, 2048, 32768, "mosaic"),  # head_dim 64, 16 x 2048 tokens: Mosaic measured faster
     (True, False, jnp.bfloat16, 64, 1024, 32768, "triton"),  # head_dim 64, 32 x 1024 tokens: Triton measured faster
-    (True, False, jnp.bfloat16, 96, 8192, 29184, "triton"),  # not Mosaic head dims
+    (True, False, jnp.bfloat16, 96, 8192, 29184, "triton"),  # Mosaic runs 96 and 256, not measured against Triton
     (True, False, jnp.bfloat16, 256, 8192, 29184, "triton"),
-    (True, False, jnp.bfloat16, 80, 8192, 29184, "triton"),  # the Mosaic kernel does not run these
-    (True, False, jnp.bfloat16, 512, 8192, 29184, "triton"),
+    (True, False, jnp.bfloat16, 80, 8192, 29184, "triton"),  # zero-padded on Mosaic: not measured either
+    (True, False, jnp.bfloat16, 512, 8192, 29184, "triton"),  # the Mosaic kernel does not run it
     (True, False, jnp.float32, 128, 8192, 29184, "triton"),  # the Mosaic kernel is bf16/fp16 only
     (True, True, jnp.bfloat16, 128, 8192, 29184, "triton"),  # interpret mode
     (False, False, jnp.bfloat16, 128, 8192, 29184, "triton"),  # not sm_90
@@ -224,31 +232,31 @@ def test_default_backend_rule(monkeypatch, hopper, interpret, dtype, head_dim, m
 
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=12), extra=st.integers(0, 40),
-       causal=st.booleans(), group=st.sampled_from([1, 2, 3, 4, 8]))
-def test_work_list_covers_every_item_once(lens, extra, causal, group):
-    """The static work list holds every (request, tile, head) item exactly once, in programs of ``COMPUTE_WGS``
-    consecutive items of one request, heaviest program first, unused slots last (-1); ``slot`` inverts the order
-    (the LSE gather relies on it)."""
-    from pallas_attn.kernels.mosaic.prefill import BLOCK_Q, COMPUTE_WGS, ROW_ALIGN, _work_list, num_work_slots
+       causal=st.booleans(), group=st.sampled_from([1, 2, 3, 4, 8]), wgs=st.sampled_from([2, 3]))
+def test_work_list_covers_every_item_once(lens, extra, causal, group, wgs):
+    """The static work list holds every (request, tile, head) item exactly once, in programs of ``wgs`` (the
+    compute warpgroups) consecutive items of one request, heaviest program first, unused slots last (-1);
+    ``slot`` inverts the order (the LSE gather relies on it)."""
+    from pallas_attn.kernels.mosaic.prefill import BLOCK_Q, ROW_ALIGN, _work_list, num_work_slots
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     num_tokens = int(cu[-1]) + extra
     max_seqlen = max(lens)
-    num_slots = num_work_slots(num_tokens, len(lens), max_seqlen, group)
+    num_slots = num_work_slots(num_tokens, len(lens), max_seqlen, group, wgs)
     req, first, slot, cu_programs, tiles = (np.asarray(x) for x in _work_list(
-        jnp.asarray(cu), num_slots, causal, max_seqlen, group))
+        jnp.asarray(cu), num_slots, causal, max_seqlen, group, wgs))
     shifts = cu[:-1] % ROW_ALIGN
     np.testing.assert_array_equal(tiles, [-(-(n + s) // BLOCK_Q) if n else 0 for n, s in zip(lens, shifts)])
     used = req >= 0
     assert not used[used.sum():].any()  # unused slots at the end
     items = [(b, i) for b, f in zip(req[used].tolist(), first[used].tolist())
-             for i in range(f, min(f + COMPUTE_WGS, tiles[b] * group))]
+             for i in range(f, min(f + wgs, tiles[b] * group))]
     assert sorted(items) == [(b, i) for b in range(len(lens)) for i in range(tiles[b] * group)]
-    keys = [min(-(-min(f + COMPUTE_WGS, tiles[b] * group) // group) * BLOCK_Q - shifts[b], lens[b]) if causal
+    keys = [min(-(-min(f + wgs, tiles[b] * group) // group) * BLOCK_Q - shifts[b], lens[b]) if causal
             else lens[b] for b, f in zip(req[used], first[used])]
     assert keys == sorted(keys, reverse=True)
     for b in range(len(lens)):
         for c in range(cu_programs[b + 1] - cu_programs[b]):
-            assert (req[slot[cu_programs[b] + c]], first[slot[cu_programs[b] + c]]) == (b, c * COMPUTE_WGS)
+            assert (req[slot[cu_programs[b] + c]], first[slot[cu_programs[b] + c]]) == (b, c * wgs)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)

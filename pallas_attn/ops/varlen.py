@@ -100,11 +100,12 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         K/V slot size and count, P's column blocks). A config selects its backend when ``backend`` is None and must
         match it otherwise (``TypeError`` naming both classes). None → the tuned default of the chosen backend.
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.prefill` (wgmma, TMA,
-        warp specialisation; bf16/fp16, head_dim 64 or 128 — anything else raises ``ValueError`` naming
-        head_dim and that set; interpreted on CPU by the Mosaic GPU interpreter). None: the config's backend if one
-        is given, else :func:`default_backend` — Mosaic on a compiled sm_90 GPU where it applies and was measured
-        faster (``max_seqlen >= MOSAIC_MIN_SEQLEN[head_dim]``, head dims 64 and 128, and
-        ``num_tokens >= MOSAIC_MIN_TOKENS``), else Triton (every other head dim).
+        warp specialisation; bf16/fp16, head_dim a multiple of 8 up to 256: 64, 128 and 256 natively, others
+        zero-padded to the next — anything else raises ``ValueError`` naming head_dim; interpreted on CPU by the
+        Mosaic GPU interpreter). None: the config's backend if one is given, else :func:`default_backend` —
+        Mosaic on a compiled sm_90 GPU where it applies and was measured faster (``max_seqlen >=
+        MOSAIC_MIN_SEQLEN[head_dim]``, head dims 64 and 128, and ``num_tokens >= MOSAIC_MIN_TOKENS``), else Triton
+        (every other head dim).
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked). Array arguments may be

@@ -47,12 +47,12 @@ Hopper's own instructions from Pallas (docs/design.md#backends):
   not a neighbour's NaN: ``0 · NaN = NaN``). P1 and P2 stage nothing.
 * LSE (natural log) goes to a buffer ``[work slots, Hkv, 3, 64]`` (a 64-wide TMA store per item; ∝ T) and is
   gathered to ``[T, Hq]`` outside the kernel, only when asked.
-* Head dims 64 and 128 (:data:`HEAD_DIMS`); any other runs on Triton. The tiles are swizzled as widely as a row
-  allows (:func:`swizzle_bytes`), and at 256 two 64-key K/V slots fit shared memory beside the three warpgroups'
-  Q/O (:func:`pallas_attn.core.config.default_mosaic_prefill_config`), but neither widening runs on an H200 yet:
-  96 (64-byte swizzle) lowers and runs in the interpreter and failed compiled; 256 does not assemble (ptxas: the
-  float32 accumulator and scores need more than the compute warpgroups' 160 registers a thread; two compute
-  warpgroups instead of three would give them the room).
+* Head widths 64, 128 and 256 (:data:`HEAD_DIMS`); any other multiple of 8 up to 256 (80, 96, 192, ...) runs
+  zero-padded to the next (:func:`tile_head_dim`); 96 unpadded (64-byte swizzle) ran in the interpreter and failed
+  compiled. Tiles are swizzled 128 bytes wide. At 256 a program has two compute warpgroups, not three
+  (:func:`compute_wgs`): the 256-column float32 accumulator needs more than the 160 registers a thread three leave
+  (ptxas: insufficient registers), and two 64-key K/V slots fit shared memory beside their Q/O
+  (:func:`pallas_attn.core.config.default_mosaic_prefill_config`).
 
 Its speed against cuDNN, JAX's attention_mgpu and the Triton kernel, and what each choice above bought:
 docs/performance.md#varlen-prefill-mosaic-gpu. Triton stays faster for short requests (this path's work list and
@@ -84,9 +84,13 @@ BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 # Items (query tile, head) per program, one per compute warpgroup: three hide each one's softmax behind the other
 # two's matmuls without turns (two free-running warpgroups are slower: docs/performance.md#varlen-prefill-mosaic-gpu).
 COMPUTE_WGS = 3
-# Registers per thread (compute, memory warpgroup): 3 · compute + memory must stay within the launch's 4 · 128, or
-# the compute warpgroups' increase never returns. 24 is the least setmaxnreg allows, 160 (a multiple of 8) the most.
-REGISTERS = (160, 24)
+# Heads wider than 128 take two: a 256-column float32 accumulator is 128 of a thread's registers, more than three
+# compute warpgroups leave room for (ptxas: insufficient registers), as JAX's attention_mgpu does at every width.
+WIDE_COMPUTE_WGS = 2
+# Registers per thread (compute, memory warpgroup) by compute warpgroups: wgs · compute + memory must stay within
+# what the launch of (wgs + 1) · 128 threads gives each (65536 / 512 = 128, 65536 / 384 = 170 → 168), or the
+# compute warpgroups' increase never returns. 24 is the least setmaxnreg allows; the values are multiples of 8.
+REGISTERS = {3: (160, 24), 2: (232, 40)}
 SMEM_BYTES = 232_448  # shared memory per block on sm_90 (227 KB)
 ROW_ALIGN = 8  # TMA into (8, 64)-tiled shared memory: a tile's packed row offset must be a provable multiple of 8
 PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # rows a padding program zeroes per round (rows no request computes must come out 0)
@@ -94,8 +98,9 @@ PAD_ROWS_PER_SLOT = 8 * BLOCK_Q  # rows a padding program zeroes per round (rows
 # unused work slots do (P1: ~1,400 such programs)
 MAX_PAD_SLOTS = 16
 STORE_CHUNKS = (64, 32, 16, 8, 4, 2, 1)  # TMA stores of [lo, hi) rows: greedy, each size at most once
-# Head dims that run compiled on an H200; any other runs on Triton (96 and 256: see the module docstring).
-HEAD_DIMS = (64, 128)
+# The kernel's head widths. A narrower head, any multiple of 8 (80, 96, 112, ...), runs zero-padded to the next of
+# them (tile_head_dim).
+HEAD_DIMS = (64, 128, 256)
 
 
 def supported(q, k) -> str | None:
@@ -103,9 +108,20 @@ def supported(q, k) -> str | None:
     head_dim = q.shape[-1]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})"
+    if head_dim % 8 or head_dim > HEAD_DIMS[-1]:
+        return f"head_dim={head_dim} (supported: multiples of 8 up to {HEAD_DIMS[-1]})"
     return None
+
+
+def compute_wgs(width: int) -> int:
+    """Compute warpgroups (items per program) at kernel width ``width``: three up to 128, else two."""
+    return COMPUTE_WGS if width <= 128 else WIDE_COMPUTE_WGS
+
+
+def tile_head_dim(head_dim: int) -> int:
+    """The kernel width a head runs at: itself when it is one of :data:`HEAD_DIMS`, else the next one (zero
+    columns: ``q·k`` and ``P·V`` are unchanged, the output's extra columns are dropped)."""
+    return next(d for d in HEAD_DIMS if d >= head_dim)
 
 
 def swizzle_bytes(head_dim: int, itemsize: int) -> int:
@@ -116,9 +132,10 @@ def swizzle_bytes(head_dim: int, itemsize: int) -> int:
 
 def smem_bytes(cfg: config_lib.MosaicPrefillConfig, head_dim: int, itemsize: int, return_lse: bool) -> int:
     """Shared memory of the kernel's buffers (barriers aside): Q/O of each compute warpgroup, the K/V slots, LSE."""
-    q_and_o = COMPUTE_WGS * BLOCK_Q * head_dim * itemsize
+    wgs = compute_wgs(head_dim)
+    q_and_o = wgs * BLOCK_Q * head_dim * itemsize
     kv_slots = 2 * cfg.max_concurrent_steps * cfg.block_kv * head_dim * itemsize
-    return q_and_o + kv_slots + (COMPUTE_WGS * BLOCK_Q * 4 if return_lse else 0)
+    return q_and_o + kv_slots + (wgs * BLOCK_Q * 4 if return_lse else 0)
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
@@ -139,7 +156,7 @@ def _store_rows(o_smem, o_ref, row0, lo, hi, head):
 def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item_ref, q_ref, k_ref, v_ref,
             k_staged_ref, v_staged_ref, *refs, group: int, num_work_slots: int, num_pad_slots: int,
             max_seqlen: int, block_kv: int, mcs: int, causal: bool, scale: float, mods: masks.ScoreMods,
-            compiled: bool, q_tiled_tma: bool, p_chunks: int):
+            compiled: bool, q_tiled_tma: bool, p_chunks: int, wgs: int):
     # refs: [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), o, lse, the scratch
     refs = list(refs)
     slopes_ref = refs.pop(0) if mods.alibi else None
@@ -191,7 +208,7 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
     # The memory warpgroup streams the K/V tiles from the earliest item's first (a window's) to the longest item's
     # last; a slot is refilled once every compute warpgroup released it (those whose steps start later or end
     # sooner release those slots without computing: see _release_head and _release_rest).
-    items = [item_of(i) for i in range(COMPUTE_WGS)]
+    items = [item_of(i) for i in range(wgs)]
     cta_steps = functools.reduce(jnp.maximum, [it[-1][-1] for it in items])
     cta_first = jnp.int32(0)
     if mods.window_left >= 0:
@@ -202,7 +219,7 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
 
     def pass_over(start, end):
         """Steps ``[start, end)`` this warpgroup does not compute: wait for each load and release the slot, so that
-        every refill gets its ``COMPUTE_WGS`` arrivals in phase order (and every completion is observed: the
+        every refill gets its ``wgs`` arrivals in phase order (and every completion is observed: the
         interpreter checks)."""
         @pl.loop(start, end)
         def _(j):
@@ -212,9 +229,9 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
             plgpu.barrier_wait(v_bar.at[slot])
             release(v_free, j)
 
-    @pl.when(has_item & (wg < COMPUTE_WGS))
+    @pl.when(has_item & (wg < wgs))
     def _compute():
-        plgpu.set_max_registers(REGISTERS[0], action="increase")
+        plgpu.set_max_registers(REGISTERS[wgs][0], action="increase")
         q_rows = q_ref.at[pl.ds(row0, BLOCK_Q), q_head]
         if q_tiled_tma:
             plgpu.copy_gmem_to_smem(q_rows, q_smem.at[wg], q_bar.at[wg])
@@ -244,18 +261,23 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
                 visible &= cols <= rows + mods.window_right
             return jnp.where(visible, s, -jnp.inf)
 
-        # The scale stays folded into the exponential's FMA (softmax_update_packed): soft-cap and ALiBi are written
-        # in units of the raw score. ALiBi: slope_h · (key - query) / scale; soft-cap: cap · tanh(s · scale / cap),
-        # then scaled by 1 (the cap's units are already the scaled score's).
-        exp_scale = softmax.LOG2E if mods.softcap > 0 else scale * softmax.LOG2E
-        slope = slopes_ref[q_head] / (1.0 if mods.softcap > 0 else scale) if mods.alibi else None
+        # The scale stays folded into the exponential's FMA (softmax_update_packed), so soft-cap and ALiBi are
+        # written in the units of the scores they leave: the raw score, or with soft-cap tanh(s · scale / cap),
+        # whose cap joins the scale. ALiBi adds slope_h · (key - query) in those units.
+        exp_scale = (mods.softcap if mods.softcap > 0 else scale) * softmax.LOG2E
+        slope = slopes_ref[q_head] * (softmax.LOG2E / exp_scale) if mods.alibi else None
+        # A distance as a float without an int-to-float conversion a score (those issue at the exponential's
+        # quarter rate on sm_90): exact while |key - query| < 2^22, which max_seqlen bounds.
+        exact_distance = max_seqlen < softmax.SMALL_INT_LIMIT
 
         def scores(j, s):
-            if mods.softcap > 0:
-                s = jnp.tanh(s * (scale / mods.softcap)) * mods.softcap
+            if mods.softcap > 0:  # tanh.approx.f32 (approx_math); the float16x2 form measured slower on P1
+                s = jnp.tanh(s * (scale / mods.softcap))
             if mods.alibi:
                 rows, cols = positions(j)
-                s = s + slope * (cols - rows).astype(jnp.float32)
+                distance = (softmax.small_int_to_float(cols - rows) if exact_distance
+                            else (cols - rows).astype(jnp.float32))
+                s = s + slope * distance
             return s
 
         def wait_k(j):
@@ -325,15 +347,15 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[w, kv_head, wg])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(live & (wg < COMPUTE_WGS))
+    @pl.when(live & (wg < wgs))
     def _release_rest():
         """The longest item's steps past this warpgroup's own (adjacent tiles of a causal request differ by one
         step; no item: all of them)."""
         pass_over(jnp.where(has_item, kv_steps, cta_first), cta_steps)
 
-    @pl.when(live & (wg == COMPUTE_WGS))
+    @pl.when(live & (wg == wgs))
     def _memory():
-        plgpu.set_max_registers(REGISTERS[1], action="decrease")
+        plgpu.set_max_registers(REGISTERS[wgs][1], action="decrease")
 
         # windows from first_staged on are staged windows staged0, staged0 + 1, ... (see _stage_kv); read once
         first_staged, staged0 = kv_stage_ref[2 * b], kv_stage_ref[2 * b + 1]
@@ -369,7 +391,7 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
             load(step + mcs, slot, k_ready=lambda: plgpu.barrier_wait(k_free.at[slot]),
                  v_ready=lambda: plgpu.barrier_wait(v_free.at[slot]))
 
-    @pl.when(jnp.logical_not(is_tile) & (wg < COMPUTE_WGS) & (zero_ref[0] > 0))
+    @pl.when(jnp.logical_not(is_tile) & (wg < wgs) & (zero_ref[0] > 0))
     def _zero_rows():  # the row ranges no program computes (_zero_ranges), for this KV head's heads
         o_smem.at[wg][...] = jnp.zeros((BLOCK_Q, head_dim), dtype)
         plgpu.commit_smem()
@@ -382,8 +404,8 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
 
             @pl.loop(0, lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride)))
             def _round(r):
-                for h in range(group):  # warpgroup wg zeroes heads wg, wg + COMPUTE_WGS, ... of the group
-                    @pl.when(wg == h % COMPUTE_WGS)
+                for h in range(group):  # warpgroup wg zeroes heads wg, wg + wgs, ... of the group
+                    @pl.when(wg == h % wgs)
                     def _head(h=h):
                         for c in range(PAD_ROWS_PER_SLOT // BLOCK_Q):
                             row = first + r * stride + c * BLOCK_Q
@@ -399,13 +421,14 @@ def _tiles_per_seq(max_seqlen: int) -> int:
     return pl.cdiv(max(max_seqlen, 1) + ROW_ALIGN - 1, BLOCK_Q)
 
 
-def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group: int):
+def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group: int,
+               wgs: int = COMPUTE_WGS):
     """Programs' items, heaviest first: ``(request i32[num_slots], first item i32[num_slots], slot i32[num_slots],
     cu_programs i32[num_seqs + 1], tiles i32[num_seqs])``; request -1 for unused slots.
 
     Request ``b`` has ``tiles[b] = cdiv(len_b + cu_seqlens[b] % 8, 64)`` query tiles (its rows from ``cu_seqlens[b]``
     rounded down to 8) and, per KV head, ``tiles[b] · group`` items (tile ``item // group``, head ``item % group`` of
-    the group). Its programs take ``COMPUTE_WGS`` consecutive items each (one per compute warpgroup): program ``c``
+    the group). Its programs take ``wgs`` consecutive items each (one per compute warpgroup): program ``c``
     of request ``b`` is work slot ``slot[cu_programs[b] + c]``. Sorting by the keys a program visits (longest first)
     gives the tail of the grid the short programs, wherever their request sits in the batch."""
     # a request longer than max_seqlen (a broken contract) is truncated to its first max_seqlen rows, so it cannot
@@ -413,25 +436,25 @@ def _work_list(cu_seqlens, num_slots: int, causal: bool, max_seqlen: int, group:
     starts, q_lens = cu_seqlens[:-1], jnp.minimum(cu_seqlens[1:] - cu_seqlens[:-1], max_seqlen)
     shift = starts % ROW_ALIGN
     n_tiles = jnp.where(q_lens > 0, (q_lens + shift + BLOCK_Q - 1) // BLOCK_Q, 0)
-    n_programs = (n_tiles * group + COMPUTE_WGS - 1) // COMPUTE_WGS
+    n_programs = (n_tiles * group + wgs - 1) // wgs
     req, program, cu_programs = metadata.segment_items(n_programs, num_slots)
     safe = jnp.maximum(req, 0)
-    first = program * COMPUTE_WGS
-    end_tile = (jnp.minimum(first + COMPUTE_WGS, n_tiles[safe] * group) - 1) // group + 1  # past its last item's
+    first = program * wgs
+    end_tile = (jnp.minimum(first + wgs, n_tiles[safe] * group) - 1) // group + 1  # past its last item's
     keys = jnp.minimum(end_tile * BLOCK_Q - shift[safe], q_lens[safe]) if causal else q_lens[safe]
     order = jnp.argsort(jnp.where(req >= 0, -keys, 1), stable=True)
     slot = jnp.zeros((num_slots,), jnp.int32).at[order].set(jnp.arange(num_slots, dtype=jnp.int32))
     return req[order], first[order], slot, cu_programs, n_tiles
 
 
-def num_work_slots(num_tokens: int, num_seqs: int, max_seqlen: int, group: int) -> int:
-    """A static bound on the programs ``_work_list`` hands out: Σ_b cdiv(tiles_b · group, COMPUTE_WGS), with
+def num_work_slots(num_tokens: int, num_seqs: int, max_seqlen: int, group: int, wgs: int = COMPUTE_WGS) -> int:
+    """A static bound on the programs ``_work_list`` hands out: Σ_b cdiv(tiles_b · group, wgs), with
     ``tiles_b = cdiv(len_b + shift_b, 64) ≤ (len_b + 7 + 63) / 64`` and ``tiles_b ≤ _tiles_per_seq(max_seqlen)``.
     A slot past the last program still launches (and exits): the bound is kept tight."""
     tiles = (num_tokens + (BLOCK_Q - 1 + ROW_ALIGN - 1) * num_seqs) // BLOCK_Q
-    rounding = 0 if group % COMPUTE_WGS == 0 else num_seqs  # a request's last program may be part-filled
-    return min(pl.cdiv(tiles * group, COMPUTE_WGS) + rounding,
-               num_seqs * pl.cdiv(_tiles_per_seq(max_seqlen) * group, COMPUTE_WGS))
+    rounding = 0 if group % wgs == 0 else num_seqs  # a request's last program may be part-filled
+    return min(pl.cdiv(tiles * group, wgs) + rounding,
+               num_seqs * pl.cdiv(_tiles_per_seq(max_seqlen) * group, wgs))
 
 
 def _stage_kernel(src_ref, end_ref, k_ref, v_ref, k_staged_ref, v_staged_ref, *, block_kv: int, num_kv_heads: int,
@@ -513,32 +536,33 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     block_kv, max_concurrent_steps = cfg.block_kv, cfg.max_concurrent_steps
+    wgs = compute_wgs(head_dim)
     swizzle = swizzle_bytes(head_dim, q.dtype.itemsize)
     tiled = dict(transforms=(plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)),
                              plgpu.SwizzleTransform(swizzle)))
     scratch = (
-        (plgpu.RefUnion(plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype, **tiled),  # Q, one per warpgroup
-                        plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, head_dim), q.dtype)),  # O: untiled (any row range stored)
+        (plgpu.RefUnion(plgpu.SMEM((wgs, BLOCK_Q, head_dim), q.dtype, **tiled),  # Q, one per warpgroup
+                        plgpu.SMEM((wgs, BLOCK_Q, head_dim), q.dtype)),  # O: untiled (any row range stored)
          plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), k.dtype, **tiled),
          plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), v.dtype, **tiled),
-         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32) if return_lse else None,
-         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, block_kv), q.dtype, **tiled) if interpret else None),  # P, see pv_dot
-        (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=max_concurrent_steps),
+         plgpu.SMEM((wgs, BLOCK_Q), jnp.float32) if return_lse else None,
+         plgpu.SMEM((wgs, BLOCK_Q, block_kv), q.dtype, **tiled) if interpret else None),  # P, see pv_dot
+        (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=max_concurrent_steps),
          plgpu.Barrier(num_barriers=max_concurrent_steps)),
-        (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_concurrent_steps),) * 2,
+        (plgpu.Barrier(num_arrivals=wgs, num_barriers=max_concurrent_steps),) * 2,
     )
     num_pad_slots = min(pl.cdiv(num_tokens, PAD_ROWS_PER_SLOT), MAX_PAD_SLOTS)
     body = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, num_work_slots=num_slots, num_pad_slots=num_pad_slots,
         max_seqlen=max_seqlen,
         block_kv=block_kv, mcs=max_concurrent_steps, causal=causal, scale=scale, mods=mods,
-        compiled=not interpret, q_tiled_tma=num_tokens % ROW_ALIGN == 0, p_chunks=cfg.p_chunks)
+        compiled=not interpret, q_tiled_tma=num_tokens % ROW_ALIGN == 0, p_chunks=cfg.p_chunks, wgs=wgs)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
 
     out_type = [jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q.dtype),
-                jax.ShapeDtypeStruct((num_slots, num_kv_heads, COMPUTE_WGS, BLOCK_Q), jnp.float32)  # ∝ T
+                jax.ShapeDtypeStruct((num_slots, num_kv_heads, wgs, BLOCK_Q), jnp.float32)  # ∝ T
                 if return_lse else None]
     interpret_params = None
     if interpret:
@@ -551,7 +575,7 @@ def _call_kernel(q, k, v, k_staged, v_staged, cu_seqlens, kv_stage, q_tiles, wor
     # lower) would only take shared memory that head dim 256 needs.
     return plgpu.kernel(
         entry, out_type=out_type, grid=(num_kv_heads, num_slots + num_pad_slots),
-        grid_names=("heads", "work"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        grid_names=("heads", "work"), num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=interpret_params,
     )(cu_seqlens, _zero_ranges(cu_seqlens, num_tokens, max_seqlen), kv_stage, q_tiles, work_req, work_item, q, k, v,
       k_staged, v_staged, *features)
@@ -567,23 +591,28 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, alibi_slopes=None, sinks=None, 
     if reason is not None:
         raise ValueError(f"the Mosaic prefill does not support {reason}")
     head_dim = q.shape[-1]
-    need = smem_bytes(cfg, head_dim, q.dtype.itemsize, return_lse)
+    width = tile_head_dim(head_dim)
+    need = smem_bytes(cfg, width, q.dtype.itemsize, return_lse)
     if need > SMEM_BYTES:
         raise ValueError(f"config={cfg} needs {need} bytes of shared memory at {head_dim=}, more than the "
                          f"{SMEM_BYTES} of sm_90: fewer max_concurrent_steps or a smaller block_kv")
+    if width != head_dim:
+        pad_cols = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, width - head_dim)))  # noqa: E731
+        q, k, v = pad_cols(q), pad_cols(k), pad_cols(v)
     num_tokens, num_q_heads, _ = q.shape
     cu_seqlens = metadata.clamp_cu(cu_seqlens, num_tokens)  # whatever it holds, requests stay disjoint and inside T
     group = num_q_heads // k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
-    num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group)
+    wgs = compute_wgs(width)
+    num_slots = num_work_slots(num_tokens, num_seqs, max_seqlen, group, wgs)
     work_req, work_item, work_slot, cu_programs, q_tiles = _work_list(cu_seqlens, num_slots, causal, max_seqlen,
-                                                                      group)
+                                                                      group, wgs)
     k_staged, v_staged, kv_stage = _stage_kv(k, v, cu_seqlens, cfg.block_kv, max_seqlen, interpret)
     pad_rows = lambda x: jnp.pad(x, ((0, -num_tokens % ROW_ALIGN), (0, 0), (0, 0)))  # noqa: E731
     q_in = q
     if num_tokens % ROW_ALIGN:  # a TMA into tiled shared memory reads whole 8-row groups of K/V
         k, v = pad_rows(k), pad_rows(v)
-        if head_dim > 128:
+        if width > 128:
             # Q too (the output is sliced back): at head dim 256, re-laying Q out through registers (the kernel's way
             # at 64 and 128) takes Mosaic GPU's layout inference many minutes to compile.
             q_in = pad_rows(q)
@@ -592,7 +621,7 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, alibi_slopes=None, sinks=None, 
         [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None], num_slots=num_slots,
         max_seqlen=max_seqlen, causal=causal, scale=scale, return_lse=return_lse, interpret=interpret, cfg=cfg,
         mods=mods)
-    out = out[:num_tokens]
+    out = out[:num_tokens, :, :head_dim]
     if not return_lse:
         return out, None
     token_req = metadata.token_requests(cu_seqlens, num_tokens)  # -1: padding row
@@ -603,6 +632,6 @@ def varlen_attention_mosaic(q, k, v, cu_seqlens, alibi_slopes=None, sinks=None, 
     local = position + cu_seqlens[req] % ROW_ALIGN
     head = jnp.arange(num_q_heads, dtype=jnp.int32)
     item = (local // BLOCK_Q)[:, None] * group + head % group  # [T, Hq]: the item within (request, KV head)
-    slot = work_slot[jnp.minimum(cu_programs[req][:, None] + item // COMPUTE_WGS, num_slots - 1)]
-    lse = lse_tiles[slot, head // group, item % COMPUTE_WGS, (local % BLOCK_Q)[:, None]]  # [T, Hq]
+    slot = work_slot[jnp.minimum(cu_programs[req][:, None] + item // wgs, num_slots - 1)]
+    lse = lse_tiles[slot, head // group, item % wgs, (local % BLOCK_Q)[:, None]]  # [T, Hq]
     return out, jnp.where(valid[:, None], lse, -jnp.inf)
