@@ -57,20 +57,20 @@ def main(argv=None) -> int:
         q, k, v, cu = (b.arrays[x] for x in ("q", "k", "v", "cu_seqlens"))
         flops, causal, scale = b.host.flops(), True, s.head_dim ** -0.5
         max_seqlen, (num_tokens, hq, _), hkv = int(b.host.seq_lens.max()), q.shape, k.shape[1]
-        group, wgs = hq // hkv, pm.COMPUTE_WGS
+        group, wgs = hq // hkv, pm.compute_wgs(s.head_dim)
         num_slots = pm.num_work_slots(num_tokens, b.host.num_seqs, max_seqlen, group, wgs)
         cfg = MosaicPrefillConfig()
         full = jax.jit(functools.partial(pm.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
                                          scale=scale, return_lse=False, interpret=False, cfg=cfg))
         work = jax.jit(lambda cu: pm._work_list(cu, num_slots, causal, max_seqlen, group, wgs))
-        stage = jax.jit(lambda k, v, cu: pm._stage_kv(k, v, cu, cfg.block_kv, interpret=False))
+        stage = jax.jit(lambda k, v, cu: pm._stage_kv(k, v, cu, cfg.block_kv, max_seqlen, interpret=False))
         kernel = jax.jit(functools.partial(
-            pm._call_kernel, num_slots=num_slots, causal=causal, scale=scale, return_lse=False, interpret=False,
-            cfg=cfg))
+            pm._call_kernel, num_slots=num_slots, max_seqlen=max_seqlen, causal=causal, scale=scale, return_lse=False,
+            interpret=False, cfg=cfg))
         req, first, _, _, tiles = work(cu)
         k_staged, v_staged, kv_stage = stage(k, v, cu)  # P1, P2: T in whole 8-row groups (no padding)
         work_loop = looped(lambda cu: pm._work_list(cu, num_slots, causal, max_seqlen, group, wgs))
-        stage_loop = looped(lambda cu, k, v: pm._stage_kv(k, v, cu, cfg.block_kv, interpret=False))
+        stage_loop = looped(lambda cu, k, v: pm._stage_kv(k, v, cu, cfg.block_kv, max_seqlen, interpret=False))
 
         @jax.jit
         def with_work(q, k, v, cu):  # staging precomputed
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
 
         @jax.jit
         def with_stage(q, k, v, cu):  # work list precomputed
-            k_staged_, v_staged_, kv_stage_ = pm._stage_kv(k, v, cu, cfg.block_kv, interpret=False)
+            k_staged_, v_staged_, kv_stage_ = pm._stage_kv(k, v, cu, cfg.block_kv, max_seqlen, interpret=False)
             return kernel(q, k, v, k_staged_, v_staged_, cu, kv_stage_, tiles, req, first)
 
         hlo = full.lower(q, k, v, cu).compile().as_text()
