@@ -14,9 +14,32 @@ import os
 
 import jax
 
+try:  # JAX deprecated the Pallas Triton backend in 0.11 and will remove it: the library imports without it
+    from jax.experimental.pallas import triton as pallas_triton
+except ImportError:
+    pallas_triton = None
+
 ENV_INTERPRET = "PALLAS_ATTN_INTERPRET"
 BACKENDS = ("triton", "mosaic")  # kernels with a Hopper (Mosaic GPU) twin take backend= one of these
 H200_SM_COUNT = 132  # used for heuristics when no GPU is visible (interpret mode, CPU tests)
+
+
+class BackendUnavailableError(RuntimeError):
+    """A kernel needs a Pallas backend that the installed JAX does not ship."""
+
+
+def triton_available() -> bool:
+    """The installed JAX still ships ``jax.experimental.pallas.triton``."""
+    return pallas_triton is not None
+
+
+def require_triton(function: str, why: str = "it has no Mosaic GPU kernel yet") -> None:
+    """Raise :class:`BackendUnavailableError` naming ``function`` when the Pallas Triton backend is gone."""
+    if pallas_triton is None:
+        raise BackendUnavailableError(
+            f"{function} runs on the Pallas Triton backend, which jax {jax.__version__} does not ship "
+            f"(jax.experimental.pallas.triton cannot be imported), and {why}; use a JAX release that still ships "
+            "it (up to the one that removes it: the Triton backend is deprecated since JAX 0.11)")
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -59,14 +82,17 @@ def is_hopper() -> bool:
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
-def select_backend(backend: str | None, *, config, default, mosaic_unsupported, config_types=None) -> str:
+def select_backend(backend: str | None, *, config, default, mosaic_unsupported, config_types=None,
+                   function: str = "this function") -> str:
     """The ``backend=`` argument of a kernel with a Mosaic GPU twin, resolved and checked at trace time.
 
     ``config_types`` maps each backend to the config class it takes (e.g. ``{"triton": PrefillConfig, "mosaic":
     MosaicPrefillConfig}``): a ``config`` picks the backend of its class when ``backend`` is None and must be of the
     chosen backend's class, else ``TypeError``. Without ``config_types`` only the Triton kernel takes a config:
     ``None`` → ``default()`` unless a config was given (then "triton"), and ``"mosaic"`` with one raises
-    ``ValueError``. ``"mosaic"`` where ``mosaic_unsupported()`` gives a reason raises ``ValueError``."""
+    ``ValueError``. ``"mosaic"`` where ``mosaic_unsupported()`` gives a reason raises ``ValueError``. Without the
+    Pallas Triton backend (:func:`triton_available`) the default is Mosaic where it applies; "triton", asked for or
+    the only choice, raises :class:`BackendUnavailableError` naming ``function``."""
     if backend not in (None, *BACKENDS):
         raise ValueError(f"backend must be one of {BACKENDS} or None; got {backend!r}")
     if config_types is not None and config is not None:
@@ -79,11 +105,21 @@ def select_backend(backend: str | None, *, config, default, mosaic_unsupported, 
                             f"{type(config).__name__}")
         backend = owner
     elif backend is None:
-        return "triton" if config is not None else default()
+        if config is not None:
+            backend = "triton"
+        else:
+            backend = default()
+            if backend == "triton" and pallas_triton is None:  # the Hopper kernel where it applies, else an error
+                reason = mosaic_unsupported()
+                if reason is None:
+                    return "mosaic"
+                require_triton(function, f"its Mosaic GPU kernel does not apply here ({reason})")
     elif backend == "mosaic" and config is not None:
         raise ValueError("config= tunes the Triton kernel; the Mosaic kernel takes none (pass backend='triton')")
     if backend == "mosaic":
         reason = mosaic_unsupported()
         if reason is not None:
             raise ValueError(f"backend='mosaic' does not support {reason}; pass backend='triton'")
+    if backend == "triton":
+        require_triton(function, "backend='triton' (or a Triton config) asks for it")
     return backend

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.core import masks, softmax
+from pallas_attn.core.backend import pallas_triton as plgpu  # None without the backend: the ops say so
 
 MIN_DOT_ROWS = 16  # tensor-core dots want M >= 16: GQA groups / short query blocks are padded up to this many rows
 

@@ -87,6 +87,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
                                                    split_size)
     if 0 in (q.shape[0], block_tables.shape[1], k_cache.shape[0]):  # no request, no page: no key, no kernel
         return common.no_rows(*q.shape, q.dtype, return_lse)
+    backend.require_triton("paged_decode_attention")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     run = functools.partial(triton_decode.paged_decode_triton, scale=float(scale), num_splits=splits,
                             split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg,

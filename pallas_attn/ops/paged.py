@@ -111,6 +111,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
                                                        num_splits, split_size)
     if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_cache.shape[0]):
         return common.no_rows(*q.shape, q.dtype, return_lse)  # no token, request or page: no key, no kernel
+    backend.require_triton("paged_attention")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     run = functools.partial(triton_paged.ragged_paged_triton, max_query_len=max_query_len, scale=float(scale),
                             num_splits=splits, split_size=split_size, interpret=backend.resolve_interpret(interpret),

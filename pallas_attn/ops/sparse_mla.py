@@ -128,7 +128,8 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
         backend, config=config, default=lambda: default_backend(q, kv_lora_rank, interpret),
-        mosaic_unsupported=lambda: "interpret mode" if interpret else mosaic_sparse.supported(q, kv_lora_rank))
+        mosaic_unsupported=lambda: "interpret mode" if interpret else mosaic_sparse.supported(q, kv_lora_rank),
+        function="sparse_mla_attention")
     if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], kv_cache.shape[0], topk_indices.shape[1]):
         # no token, request, page or index: no key, no kernel
         return common.no_rows(q.shape[0], q.shape[1], kv_lora_rank, q.dtype, return_lse)

@@ -125,7 +125,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
         backend, config=config, default=lambda: default_backend(q, k, max_seqlen, interpret, mods),
-        mosaic_unsupported=lambda: mosaic_unsupported(q, k, mods), config_types=CONFIG_TYPES)
+        mosaic_unsupported=lambda: mosaic_unsupported(q, k, mods), config_types=CONFIG_TYPES,
+        function="varlen_attention")
     if q.shape[0] == 0 or cu_seqlens.shape[0] == 1:  # no tokens or no request: every row is padding, no kernel
         return common.no_rows(*q.shape, q.dtype, return_lse)
     if backend == "mosaic":

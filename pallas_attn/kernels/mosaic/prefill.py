@@ -76,9 +76,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu, triton as pltriton
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
+from pallas_attn.core.backend import pallas_triton as pltriton  # the staging copy; XLA's gather without it
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 # Items (query tile, head) per program, one per compute warpgroup: three hide each one's softmax behind the other
@@ -496,6 +497,14 @@ def _stage_kv(k, v, cu_seqlens, block_kv: int, max_seqlen: int, interpret: bool)
     owner, index, cu_staged = metadata.segment_items(num_windows - first_staged, num_staged)
     req = jnp.maximum(owner, 0)
     src = jnp.where(owner >= 0, starts[req] + (first_staged[req] + index) * block_kv, -1)
+    if pltriton is None:  # no Pallas Triton backend: the same windows by XLA, which writes every staged row
+        tok = src[:, None] + jnp.arange(block_kv)  # [num_staged, block_kv]
+        keep = ((src >= 0)[:, None] & (tok < ends[req][:, None]))[..., None, None]
+        rows = jnp.clip(tok, 0, num_tokens - 1).reshape(-1)
+        k_staged, v_staged = (jnp.where(keep, x[rows].reshape(num_staged, block_kv, num_kv_heads, head_dim), 0)
+                              .reshape(-1, num_kv_heads, head_dim) for x in (k, v))
+        kv_stage = jnp.stack([first_staged, cu_staged[:-1]], axis=1).reshape(-1)
+        return k_staged, v_staged, kv_stage
     flat = lambda x: x.reshape(-1, head_dim)  # noqa: E731  row = token · Hkv + head
     padded = config_lib.next_pow2(head_dim)
     full = lambda n: pl.BlockSpec((n, padded), lambda *_: (0, 0))  # noqa: E731  whole array; rows indexed inside

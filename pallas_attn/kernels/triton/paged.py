@@ -37,9 +37,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
+from pallas_attn.core.backend import pallas_triton as plgpu  # None without the backend: the ops say so
 
 SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks
 SHORT_TILE_ROWS = 16  # rows (tokens x padded group) of the short queries' tiles in a two-launch batch: twice the

@@ -22,9 +22,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_attn.core import config as config_lib, masks, softmax, tiles
+from pallas_attn.core.backend import pallas_triton as plgpu  # None without the backend: the ops say so
 
 
 # ---------------------------------------------------------------------------------------------------- config
