@@ -5,7 +5,8 @@ they run on a SUBSET of rows, chosen once per workload and input set 0:
 
 * prefill: the shortest, a middle and the longest request; for each, its first ``PREFIX_ROWS`` query rows (a
   causal prefix only sees itself: ``reference.varlen_attention`` on the prefix) and its last ``SUFFIX_ROWS`` rows
-  (``reference.paged_attention`` with q_len = SUFFIX_ROWS over the whole request stored as a single page);
+  (``reference.paged_attention`` with q_len = SUFFIX_ROWS over the whole request stored as a single page); a
+  bidirectional prefill, those rows of the whole request's reference;
 * decode: up to 4 requests (first, last, shortest, longest) through ``reference.paged_decode_attention``;
 * ragged: the first request of every group plus the longest, through ``reference.paged_attention``;
 * sparse: up to 4 tokens through ``reference.sparse_mla_attention``.
@@ -58,6 +59,15 @@ def reference_subset(batch: Batch) -> RefSubset:
         chosen = sorted({int(order[0]), int(order[len(order) // 2]), int(order[-1])})
         for b in chosen:
             start, length = int(host.cu_query_lens[b]), int(host.seq_lens[b])
+            if not host.spec.causal:  # every row sees the whole request: its reference is the whole request's
+                whole = slice(start, start + length)
+                out = reference.varlen_attention(a["q"][whole], a["k"][whole], a["v"][whole], _cu([length]),
+                                                 causal=False, **feats)
+                keep = np.unique(np.r_[np.arange(min(length, PREFIX_ROWS)), np.arange(max(length - SUFFIX_ROWS, 0),
+                                                                                       length)])
+                refs.append(np.asarray(out)[keep])
+                rows.append(start + keep)
+                continue
             m = min(length, PREFIX_ROWS)
             sl = slice(start, start + m)
             out = reference.varlen_attention(a["q"][sl], a["k"][sl], a["v"][sl], _cu([m]), **feats)

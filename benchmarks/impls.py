@@ -120,8 +120,8 @@ def _interpret_kw(options: Options) -> dict:
 def _prepare_prefill(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
     host = batches[0].host
-    kw = dict(max_seqlen=int(host.seq_lens.max()), **_static_features(host.spec), **_interpret_kw(options),
-              **options.overrides, **extra)
+    kw = dict(max_seqlen=int(host.seq_lens.max()), causal=host.spec.causal, **_static_features(host.spec),
+              **_interpret_kw(options), **options.overrides, **extra)
     fn = jax.jit(lambda q, k, v, cu, feats: pallas_attn.varlen_attention(q, k, v, cu, **kw, **feats))
     args = [(b.arrays["q"], b.arrays["k"], b.arrays["v"], b.arrays["cu_seqlens"], _features(b)) for b in batches]
     return Prepared(fn, args, identity, note=_config_note(options))

@@ -78,6 +78,7 @@ class Spec:
     ``sinks`` / ``alibi``: pass f32[num_q_heads] sinks / ALiBi slopes, drawn by :func:`build_arrays`.
     twin: the id of the workload whose row of the same implementation and unit divides this one's metric
     (``ratio_to_twin``); the harness runs the twin whenever this workload runs.
+    causal: prefill only; False is a bidirectional (encoder) prefill, every query seeing its whole request.
     """
     id: str
     kind: str
@@ -98,6 +99,7 @@ class Spec:
     sinks: bool = False
     alibi: bool = False
     twin: str = ""
+    causal: bool = True
 
     @property
     def jnp_dtype(self):
@@ -242,7 +244,64 @@ def sparse_shape_specs(tiny: bool = False) -> list[Spec]:
             for n, ctx, h, k in shapes]
 
 
-FAMILIES = {"split": split_sweep_specs, "prefill-rule": prefill_rule_specs, "sparse-shapes": sparse_shape_specs}
+# Attention shapes of models in wide use: (num_q_heads, num_kv_heads, head_dim) of one layer as a GPU sees it.
+MODEL_SHAPES = {
+    "llama8b": (32, 8, 128),  # Llama-3.1-8B
+    "llama70b-tp8": (8, 1, 128),  # Llama-3.1-70B, one of 8 tensor-parallel shards
+    "qwen32b": (64, 8, 128),  # Qwen3-32B-like
+    "gptoss": (64, 8, 64),  # gpt-oss (its window and sinks aside: the plain layers)
+    "gemma3": (16, 8, 256),  # Gemma-3 12B
+}
+ENCODER_SHAPES = {"enc-d64": (16, 16, 64), "enc-d128": (16, 16, 128)}  # bidirectional MHA (BERT/ViT-like)
+MODEL_DECODE_BATCHES = (1, 8, 64, 256)
+MODEL_DECODE_CTX = (1024, 8192, 32768, 131072)
+MODEL_KV_BYTES = 24 * 2**30  # decode cells whose K/V would pass this are left out (one input set must fit)
+MODEL_PREFILL_BATCHES = {  # name: request lengths
+    "many-short": (256,) * 128,
+    "mixed": _P1_LENS,
+    "few-long": (16384, 16384),
+}
+MODEL_BLOCK_SIZES = (16, 64)  # 64 on llama8b only: the page size's effect, not a second grid
+
+
+def model_grid_specs(tiny: bool = False) -> list[Spec]:
+    """The attention shapes real models have (:data:`MODEL_SHAPES`, :data:`ENCODER_SHAPES`): decode over batch ×
+    context (block 16; llama8b also block 64), prefill of many short, mixed and few long requests (causal), and
+    bidirectional encoder prefill. ``python -m benchmarks.run --family models``; each cell's ``ratio_to_ceiling``
+    is what counts (docs/performance.md#model-shaped-grid)."""
+    if tiny:
+        return [Spec("llama8b-decode-b2-c64-bs16", "decode", "tiny model decode", (Group((64,) * 2, 1),),
+                     units=("GB/s",), family="models", **_TINY),
+                Spec("llama8b-prefill-mixed", "prefill", "tiny model prefill", (Group((40, 17, 8)),), family="models",
+                     **_TINY),
+                Spec("enc-d64-prefill-few", "prefill", "tiny encoder prefill", (Group((24, 9)),), causal=False,
+                     family="models", num_q_heads=4, num_kv_heads=4, head_dim=32)]
+    specs = []
+    for model, (hq, hkv, d) in MODEL_SHAPES.items():
+        shape = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, family="models")
+        for bs in MODEL_BLOCK_SIZES if model == "llama8b" else MODEL_BLOCK_SIZES[:1]:
+            for b in MODEL_DECODE_BATCHES:
+                for c in MODEL_DECODE_CTX:
+                    if 2 * b * c * hkv * d * 2 > MODEL_KV_BYTES:
+                        continue
+                    specs.append(Spec(f"{model}-decode-b{b}-c{c}-bs{bs}", "decode",
+                                      f"{model} decode ({hq}/{hkv}/{d}), {b} requests at context {c}, block {bs}",
+                                      (Group((c,) * b, 1),), block_size=bs, units=("GB/s",), **shape))
+        for name, lens in MODEL_PREFILL_BATCHES.items():
+            specs.append(Spec(f"{model}-prefill-{name}", "prefill",
+                              f"{model} causal prefill ({hq}/{hkv}/{d}), {len(lens)} requests {min(lens)}..{max(lens)}",
+                              (Group(lens),), **shape))
+    for model, (hq, hkv, d) in ENCODER_SHAPES.items():
+        for name, lens in (("many", (512,) * 64), ("few", (4096,) * 4)):
+            specs.append(Spec(f"{model}-prefill-{name}", "prefill",
+                              f"bidirectional prefill ({hq}/{hkv}/{d}), {len(lens)} requests of {lens[0]}",
+                              (Group(lens),), causal=False, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                              family="models"))
+    return specs
+
+
+FAMILIES = {"split": split_sweep_specs, "prefill-rule": prefill_rule_specs, "sparse-shapes": sparse_shape_specs,
+            "models": model_grid_specs}
 
 
 def family_specs(names, tiny: bool = False) -> list[Spec]:
@@ -309,8 +368,11 @@ class HostBatch:
     # ---- derived metrics -------------------------------------------------------------------------------------
     def visible_pairs(self) -> int:
         """Σ over queries of the keys each sees: positions ``ctx .. seq_len - 1``, the query at ``p`` seeing
-        ``p + 1`` keys, or ``min(p + 1, left + 1)`` with a left window (causal: a right window changes nothing)."""
+        ``p + 1`` keys, or ``min(p + 1, left + 1)`` with a left window (causal: a right window changes nothing);
+        a bidirectional prefill, ``seq_len`` each."""
         seq, ctx = self.seq_lens.astype(np.int64), self.context_lens.astype(np.int64)
+        if not self.spec.causal:
+            return int(np.sum(self.q_lens.astype(np.int64) * seq))
         return int(np.sum(_keys_before(seq, self.spec.window_left) - _keys_before(ctx, self.spec.window_left)))
 
     def keys_read(self) -> np.ndarray:

@@ -41,8 +41,8 @@ except ImportError:  # a source checkout: load reference/ under the same name
     _spec.loader.exec_module(reference)
 
 __all__ = [
-    "BackendUnavailableError", "BatchMetadata", "DecodeConfig", "MosaicPrefillConfig", "PrefillConfig", "SparseConfig", "allocate_kv_cache",
-    "build_metadata", "checked", "merge_attention_states", "paged_attention", "paged_decode_attention", "reference",
-    "sparse_mla_attention", "varlen_attention", "write_kv_cache",
+    "BackendUnavailableError", "BatchMetadata", "DecodeConfig", "MosaicPrefillConfig", "PrefillConfig", "SparseConfig",
+    "allocate_kv_cache", "build_metadata", "checked", "merge_attention_states", "paged_attention",
+    "paged_decode_attention", "reference", "sparse_mla_attention", "varlen_attention", "write_kv_cache",
 ]
 __version__ = "0.1.0"

@@ -326,3 +326,26 @@ def test_lab_ab_times_a_model_family_feature(tmp_path, monkeypatch):
                     "--json", "feature.json"]) == 0
     [row] = json.loads((tmp_path / "feature.json").read_text())["rows"]
     assert row["workload"] == "D1" and row["rel_l2_b_vs_a"] is None and math.isfinite(row["gain"])
+
+
+def test_model_grid(tmp_path):
+    """``--family models``: the model-shaped grid (decode batch × context per model, causal prefill batches,
+    bidirectional encoder prefill) within its K/V memory cap; a bidirectional cell counts every pair and its rows
+    are checked against the non-causal reference."""
+    from benchmarks import workloads as wl
+
+    specs = wl.model_grid_specs()
+    ids = {s.id for s in specs}
+    assert len(ids) == len(specs)
+    assert {"llama70b-tp8-decode-b256-c8192-bs16", "gemma3-prefill-few-long", "enc-d128-prefill-few",
+            "llama8b-decode-b1-c131072-bs64"} <= ids
+    decode = [s for s in specs if s.kind == "decode"]
+    assert all(2 * len(s.groups[0].seq_lens) * s.groups[0].seq_lens[0] * s.num_kv_heads * s.head_dim * 2
+               <= wl.MODEL_KV_BYTES for s in decode)
+    encoder = wl.build_host(next(s for s in specs if s.id == "enc-d64-prefill-many"))
+    assert encoder.visible_pairs() == 64 * 512 * 512
+    assert run.main(["--tiny", "--family", "models", "--impl", "pallas_attn", "--out", str(tmp_path), "--no-plots",
+                     "--target-s", "0.005"]) == 0
+    rows = json.loads(next(tmp_path.glob("*-tiny.json")).read_text())
+    assert {r["workload"] for r in rows} - {"ceiling"} == {s.id for s in wl.model_grid_specs(tiny=True)}
+    assert all(r["rel_err"] is not None and r["rel_err"] < 1e-2 for r in rows if r["impl"] == "pallas_attn")
