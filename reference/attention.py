@@ -27,6 +27,10 @@ Model-family features (docs/design.md#model-family-features), keyword arguments 
     out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink_h)). The LSE stays over the keys only, so that split
     states still merge; `merge_attention_states(..., sinks=)` applies the sink once, to the merged state.
     A row that sees no key still gives 0 and -inf: a sink alone does not make a row.
+FP8 KV caches (vLLM's per-tensor mode): a paged cache of dtype float8_e4m3fn or float8_e5m2 holds
+`stored = value / scale` rounded to the format (`quantize_kv`: saturated to its finite range, NaN stays NaN) and
+reads as `stored * scale` (`dequantize_kv`); the paged oracles take `k_scale=` and `v_scale=` (positive float32
+scalars) with such a cache and attend over the dequantised cache in float32: that is the definition.
 Positions i, j are request-local in `varlen_attention` and absolute in the paged oracles (the decode query sits at
 seq_len - 1; in `paged_attention` local query i sits at context_len + i), as the causal mask already reads them.
 Order of operations, in `_attend` for every oracle:
@@ -52,6 +56,55 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------------------------
+
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _check_kv_scale(name: str, scale):
+    """A per-tensor scale as a float32 scalar; positive and finite where its value is known."""
+    arr = jnp.asarray(scale)
+    if arr.shape != () or not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a float scalar (shape []); got {arr.dtype}{list(arr.shape)}")
+    arr = arr.astype(jnp.float32)
+    if not isinstance(arr, jax.core.Tracer) and not (np.isfinite(float(arr)) and float(arr) > 0):
+        raise ValueError(f"{name} must be finite and positive; got {float(arr)}")
+    return arr
+
+
+def quantize_kv(x, scale, dtype):
+    """``dtype[...]``: what an FP8 cache stores for ``x`` (`write_kv_cache` with ``k_scale``/``v_scale``):
+    ``x / scale`` in float32, saturated to the format's finite range (a finite value never becomes inf or NaN),
+    rounded to nearest even; NaN stays NaN."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
+    finite = float(jnp.finfo(dtype).max)
+    y = jnp.asarray(x, jnp.float32) / _check_kv_scale("scale", scale)
+    return jnp.clip(y, -finite, finite).astype(dtype)
+
+
+def dequantize_kv(cache, scale):
+    """``f32[...]``: an FP8 cache as the attention reads it, ``stored * scale``."""
+    if jnp.dtype(cache.dtype) not in FP8_DTYPES:
+        raise ValueError(f"cache must be float8_e4m3fn or float8_e5m2; got {cache.dtype}")
+    return jnp.asarray(cache).astype(jnp.float32) * _check_kv_scale("scale", scale)
+
+
+def _kv_caches(k_cache, v_cache, k_scale, v_scale):
+    """The caches the paged oracles attend over: an FP8 pair dequantised with its scales (both required), any
+    other as given (scales then refused)."""
+    k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)
+    fp8 = [jnp.dtype(c.dtype) in FP8_DTYPES for c in (k_cache, v_cache)]
+    if any(fp8):
+        if not all(fp8):
+            raise ValueError(f"k_cache and v_cache must both be FP8 or neither; got {k_cache.dtype}, {v_cache.dtype}")
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"an FP8 cache ({k_cache.dtype}) needs k_scale= and v_scale= (stored = value / scale)")
+        return dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale go with an FP8 cache; this one is {k_cache.dtype}")
+    return k_cache, v_cache
 
 
 def _scale(softmax_scale, head_dim: int) -> float:
@@ -266,7 +319,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen=None, causal=True, softm
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, softmax_scale=None,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, num_splits=None,
-                           split_size=None, return_lse=False, interpret=None, context_lens=None):
+                           split_size=None, return_lse=False, interpret=None, context_lens=None, k_scale=None,
+                           v_scale=None):
     """One query per request over its paged KV cache; the query sees every one of its `seq_lens[b]` keys (its own
     included, as in `paged_attention`), or those inside `window_size`.
 
@@ -277,6 +331,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, 
     clamped into [0, max_blocks * block_size]; a key on a page id outside [0, num_blocks) is masked.
     `window_size`, `softcap`, `alibi_slopes` (f32[Hq]), `sinks` (f32[Hq]): see the module docstring; positions are
     absolute, the query at seq_lens[b] - 1. With a left window only keys from seq_lens[b] - 1 - left on are read.
+    An FP8 cache (float8_e4m3fn / e5m2) takes `k_scale`, `v_scale`: attention over `dequantize_kv` of it.
     Returns out f32[B, Hq, D] (and lse f32[B, Hq]). `num_splits`, `split_size`, `interpret` are ignored.
     """
     del num_splits, split_size, interpret
@@ -295,7 +350,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, 
     tables = np.asarray(block_tables)
     lens = _capped_lens(seq_lens, tables.shape[1], k_cache.shape[1])
     scale = _scale(softmax_scale, head_dim)
-    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    q = jnp.asarray(q)
+    k_cache, v_cache = _kv_caches(k_cache, v_cache, k_scale, v_scale)
 
     out, lse = _empty_result(num_seqs, num_q_heads, v_cache.shape[-1])
     for b in range(num_seqs):
@@ -313,7 +369,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len=None,
                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-                    num_splits=None, split_size=None, return_lse=False, interpret=None):
+                    num_splits=None, split_size=None, return_lse=False, interpret=None, k_scale=None, v_scale=None):
     """Ragged queries over a paged KV cache: decode, verification, chunked and fresh prefill in one batch.
 
     q: [T, Hq, D] packed; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: i32[B, max_blocks];
@@ -338,7 +394,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     negative positions, which see no key), and keys on a page id outside [0, num_blocks) are masked.
     `window_size`, `softcap`, `alibi_slopes` (f32[Hq]), `sinks` (f32[Hq]): see the module docstring; positions are
     the absolute ones above. With a left window only keys from context_len - left on are read: pages wholly before
-    every query's window may have been freed.
+    every query's window may have been freed. An FP8 cache takes `k_scale`, `v_scale` (`dequantize_kv`).
     Returns out f32[T, Hq, D] (and lse f32[T, Hq]). `max_query_len`, `num_splits`, `split_size`, `interpret`
     are ignored.
     """
@@ -352,7 +408,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     if lens.shape != (cu.size - 1,):
         raise ValueError(f"seq_lens must have one entry per request: {lens.shape=} vs {cu.size - 1} requests")
     scale = _scale(softmax_scale, head_dim)
-    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    q = jnp.asarray(q)
+    k_cache, v_cache = _kv_caches(k_cache, v_cache, k_scale, v_scale)
 
     out, lse = _empty_result(num_tokens, num_q_heads, v_cache.shape[-1])
     for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):

@@ -30,6 +30,27 @@ import numpy as np
 from pallas_attn.core import validation
 
 PAD_SLOT = -1  # slot_mapping entry of a padding row: skipped by the write
+CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn,
+                                            jnp.float8_e5m2))
+FP8_DTYPES = CACHE_DTYPES[3:]  # stored = value / scale (per tensor): write_kv_cache(k_scale=, v_scale=)
+
+
+def _check_kv_scale(name: str, scale):
+    """A per-tensor scale: a float scalar, positive and finite where its value is known (trace time)."""
+    arr = jnp.asarray(scale)
+    if arr.shape != () or not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a float scalar (shape []); got {arr.dtype}{list(arr.shape)}")
+    arr = arr.astype(jnp.float32)
+    if not isinstance(arr, jax.core.Tracer) and not (np.isfinite(float(arr)) and float(arr) > 0):
+        raise ValueError(f"{name} must be finite and positive; got {float(arr)}")
+    return arr
+
+
+def _quantize(x, scale, dtype):
+    """``x / scale`` saturated to ``dtype``'s finite range (a finite value never becomes inf or NaN), rounded to
+    nearest even: ``pallas_attn.reference.quantize_kv``, the definition."""
+    finite = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -finite, finite).astype(dtype)
 
 
 def allocate_kv_cache(
@@ -39,6 +60,9 @@ def allocate_kv_cache(
 
     `block_size` must be one the paged kernels accept: a power of two up to 16 or a multiple of 16 up to 1024
     (48 and 544 included); anything else raises `ValueError` here rather than at the first attention call.
+    `dtype`: bfloat16, float16, float32, or an FP8 format (float8_e4m3fn, float8_e5m2) written through
+    `write_kv_cache(..., k_scale=, v_scale=)`; the attention kernels do not read FP8 caches yet (the reference
+    does: `pallas_attn.reference.paged_attention(..., k_scale=, v_scale=)`).
 
     Example:
       >>> k_cache, v_cache = allocate_kv_cache(8, 16, 2, 64)
@@ -50,6 +74,8 @@ def allocate_kv_cache(
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
     validation.check_block_size(int(block_size))
+    if jnp.dtype(dtype) not in CACHE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {', '.join(d.name for d in CACHE_DTYPES)}")
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
@@ -93,12 +119,30 @@ def _scatter_rows(cache, rows, slot_mapping):
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-def _write_kv_cache_jit(k_cache, v_cache, k, v, slot_mapping):
+def _write_kv_cache_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale):
     _check_write_shapes(k_cache, v_cache, k, v, slot_mapping)
+    if jnp.dtype(k_cache.dtype) in FP8_DTYPES:
+        k, v = _quantize(k, k_scale, k_cache.dtype), _quantize(v, v_scale, v_cache.dtype)
     return _scatter_rows(k_cache, k, slot_mapping), _scatter_rows(v_cache, v, slot_mapping)
 
 
-def write_kv_cache(k_cache, v_cache, k, v, slot_mapping) -> tuple[jax.Array, jax.Array]:
+def _check_scales(k_cache, v_cache, k_scale, v_scale):
+    """The scales an FP8 pair of caches needs (both), refused with any other dtype."""
+    fp8 = [jnp.dtype(c.dtype) in FP8_DTYPES for c in (k_cache, v_cache)]
+    if any(fp8):
+        if not all(fp8) or k_cache.dtype != v_cache.dtype:
+            raise ValueError(f"k_cache and v_cache must share one FP8 dtype; got {k_cache.dtype}, {v_cache.dtype}")
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"an FP8 cache ({k_cache.dtype}) needs k_scale= and v_scale= (stored = value / scale)")
+        return _check_kv_scale("k_scale", k_scale), _check_kv_scale("v_scale", v_scale)
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale go with an FP8 cache (float8_e4m3fn, float8_e5m2); k_cache is "
+                         f"{k_cache.dtype}")
+    return None, None
+
+
+def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None,
+                   v_scale=None) -> tuple[jax.Array, jax.Array]:
     """Writes the new tokens' keys and values into the paged caches; returns the new `(k_cache, v_cache)`.
 
     Args:
@@ -108,6 +152,8 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping) -> tuple[jax.Array, jax
       v: [num_tokens, num_kv_heads, head_dim_v] values.
       slot_mapping: i32[num_tokens] cache slot of each row (`BatchMetadata.slot_mapping`); -1 (and any slot
         outside the pool) skips the row.
+      k_scale, v_scale: float32 scalars, with an FP8 cache only (required there): the cache stores
+        `value / scale`, saturated to the format's finite range (`pallas_attn.reference.quantize_kv`).
 
     The caches are donated, so on GPU (and CPU) the write is in place: only the written rows move. Inside an
     outer `jax.jit` donation is up to that outer function. Works under `jax.jit` either way.
@@ -122,7 +168,8 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping) -> tuple[jax.Array, jax
     with warnings.catch_warnings():
         # Backends that cannot donate (or an unusual aliasing) only cost a copy; do not warn on every compile.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        return _write_kv_cache_jit(k_cache, v_cache, k, v, slot_mapping)
+        k_scale, v_scale = _check_scales(k_cache, v_cache, k_scale, v_scale)
+        return _write_kv_cache_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
 
 
 def gather_kv(cache, block_table_row, length: int) -> jax.Array:

@@ -167,6 +167,11 @@ def check_paged_kv(q, k_cache, v_cache, block_tables, q_layout: str) -> None:
     check_rank("q", q, 3, q_layout)
     check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
     check_float("q", q)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if jnp.dtype(cache.dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+            raise TypeError(f"{name} is {cache.dtype}: the paged kernels do not read FP8 caches yet (the reference "
+                            "does, pallas_attn.reference.paged_attention(..., k_scale=, v_scale=)); keep the cache "
+                            "in q's dtype")
     check_same_dtype(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
     check_shape("v_cache", v_cache, k_cache.shape, "k_cache.shape")
     if k_cache.shape[3] != q.shape[2]:
