@@ -268,8 +268,9 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
         exp_scale = (mods.softcap if mods.softcap > 0 else scale) * softmax.LOG2E
         slope = slopes_ref[q_head] * (softmax.LOG2E / exp_scale) if mods.alibi else None
         # A distance as a float without an int-to-float conversion a score (those issue at the exponential's
-        # quarter rate on sm_90): exact while |key - query| < 2^22, which max_seqlen bounds.
-        exact_distance = max_seqlen < softmax.SMALL_INT_LIMIT
+        # quarter rate on sm_90): exact while |key - query| < 2^22; a tile's rows start at most 7 before its
+        # request, so max_seqlen + BLOCK_Q bounds it.
+        exact_distance = max_seqlen + BLOCK_Q < softmax.SMALL_INT_LIMIT
 
         def scores(j, s):
             if mods.softcap > 0:  # tanh.approx.f32 (approx_math); the float16x2 form measured slower on P1
