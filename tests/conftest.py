@@ -7,8 +7,10 @@ NaN. One tolerance table: :data:`pallas_attn.testing.TOLERANCES`.
 
 from __future__ import annotations
 
+import gc
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,6 +28,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop JAX's compiled programs after each test module. Every compiled CPU program keeps a few memory maps;
+    the whole suite in one process compiles thousands, and past the kernel's vm.max_map_count (65,530) XLA
+    segfaults inside a compile."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
