@@ -32,12 +32,15 @@ SCENARIOS = {
     "mha_group1": ([257, 64, 9], 2, 2, 64, True, jnp.bfloat16),
     # request 1 starts at 8: K/V windows 0-2 read in place (full for its last tiles), its partial window 3 staged
     "aligned_long_gqa2": ([8, 400, 3], 4, 2, 64, True, jnp.bfloat16),
-    # narrower heads run zero-padded to the next kernel width: 96 and 80 at 128 (Phi-3, ...), 32 at 64
+    # a narrower head runs zero-padded to the next kernel width: 96 at 128 (Phi-3); 80, 32 and 192 (padded to 256)
+    # are in the GPU-only list below, to keep the interpreter's runs few (it deadlocks now and then, on jax 0.12)
     "d96_gqa2": ([70, 3, 130], 4, 2, 96, True, jnp.bfloat16),
-    "d80_noncausal": ([65, 9], 2, 1, 80, False, jnp.float16),
-    "d32_gqa4": ([64, 1, 100], 4, 1, 32, True, jnp.bfloat16),
     # 256: two compute warpgroups (two items a program), 64-key K/V slots (two of 128 would not fit shared memory)
     "d256_mqa2": ([65, 2], 2, 1, 256, True, jnp.bfloat16),
+}
+GPU_SCENARIOS = {
+    "d80_noncausal": ([65, 9], 2, 1, 80, False, jnp.float16),
+    "d32_gqa4": ([64, 1, 100], 4, 1, 32, True, jnp.bfloat16),
     "d192_gqa3": ([70, 130], 6, 2, 192, True, jnp.bfloat16),  # zero-padded to 256; 3 items of a program's 2
 }
 
@@ -51,9 +54,9 @@ def _inputs(rng, lens, hq, hkv, d, dtype, pad=3):
 
 
 @pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [*SCENARIOS, *(pytest.param(n, marks=pytest.mark.gpu) for n in GPU_SCENARIOS)])
 def test_matches_reference(name, rng):
-    lens, hq, hkv, d, causal, dtype = SCENARIOS[name]
+    lens, hq, hkv, d, causal, dtype = {**SCENARIOS, **GPU_SCENARIOS}[name]
     q, k, v, cu = _inputs(rng, lens, hq, hkv, d, dtype)
     out, lse = varlen_attention(q, k, v, cu, max_seqlen=max(lens), causal=causal, return_lse=True,
                                 backend="mosaic")
