@@ -273,7 +273,7 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
         exact_distance = max_seqlen + BLOCK_Q < softmax.SMALL_INT_LIMIT
 
         def scores(j, s):
-            if mods.softcap > 0:  # tanh.approx.f32 (approx_math); the float16x2 form measured slower on P1
+            if mods.softcap > 0:  # tanh.approx.f32 (approx_math; docs/performance.md#model-family-features)
                 s = jnp.tanh(s * (scale / mods.softcap))
             if mods.alibi:
                 rows, cols = positions(j)
