@@ -1,4 +1,5 @@
-"""Generates notebooks/01_packed_requests.ipynb, 02_paged_kv.ipynb and 03_use_in_a_model.ipynb (outputs stripped).
+"""Generates notebooks/01_packed_requests.ipynb, 02_paged_kv.ipynb, 03_use_in_a_model.ipynb and 04_threads.ipynb
+(outputs stripped).
 
     python notebooks/_build.py
 """
@@ -524,8 +525,128 @@ assert max_diff < 1e-3
 print("OK: packed prefill + paged decode generate exactly the dense model's tokens")""",
 ]
 
+NB4 = [
+"""md:# 04 — The thread layer: one prefill tile, from the grid down to one thread's registers
+
+Block sizes, warps and stages are tuning knobs; which thread holds which element of a tile is the compiler's
+choice, fixed by the matrix instruction it picks and that instruction's accumulator layout in the PTX ISA
+([docs/threads.md](../docs/threads.md)). This notebook follows one score tile of the standard workload P1 from the
+grid to the registers of one thread, with `pallas_attn.inspection` — the library behind `pallas-attn inspect`.
+
+Everything runs on a CPU and builds no arrays, only shapes. On an H200, P1 runs the Mosaic GPU kernel; its compiled
+code exists only on a GPU, so its layout here is the one its source declares (`plgpu.Layout.WGMMA`, evaluated from
+JAX's own layout object). Section 6 compiles the Triton kernel for sm_90 when the `triton` wheel is installed.""",
+SETUP,
+"""from pallas_attn.inspection import compiled, draw, fragments, targets
+from pallas_attn.kernels.mosaic import prefill as mosaic_prefill
+
+call = targets.build_call("prefill", "P1")   # P1's shapes as jax.ShapeDtypeStruct: nothing is allocated
+host = targets.workloads_module().build_host(call.spec)
+print(call.describe())
+print("backend an H200 picks for it:", call.backend, "(pallas_attn.ops.varlen.default_backend)")""",
+"""md:## 1. The grid: programs of three (query tile, head) items
+
+The Mosaic GPU prefill's grid is `(num_kv_heads, work slots)`. Per request and KV head, the *items* are its 64-row
+query tiles times the `group` query heads sharing the KV head; a program takes three consecutive items, one per
+compute warpgroup, so every K/V tile it loads serves three query tiles. The work list is built from `cu_seqlens`,
+heaviest programs first. Below: the first program of KV head 0, from the kernel's own work list.""",
+"""q, k = call.args[0], call.args[1]
+num_tokens, num_q_heads, head_dim = q.shape
+group = num_q_heads // k.shape[1]
+wgs = mosaic_prefill.compute_wgs(mosaic_prefill.tile_head_dim(head_dim))
+max_seqlen = int(host.seq_lens.max())
+slots = mosaic_prefill.num_work_slots(num_tokens, host.num_seqs, max_seqlen, group, wgs)
+req, first, _, _, tiles = mosaic_prefill._work_list(jnp.asarray(host.cu_query_lens), slots, True, max_seqlen,
+                                                    group, wgs)
+print(f"grid = (num_kv_heads={k.shape[1]}, work slots={slots}); {wgs} items a program, group {group}")
+b, item0 = int(req[0]), int(first[0])
+start = int(host.cu_query_lens[b])
+print(f"program (kv_head 0, slot 0): request {b} ({int(host.seq_lens[b])} tokens, {int(tiles[b])} query tiles)")
+ITEMS = []
+for wg in range(wgs):
+    item = item0 + wg
+    m, head = item // group, item % group
+    rows = (start // 8 * 8 + 64 * m, start // 8 * 8 + 64 * m + 63)
+    ITEMS.append((m, head, rows))
+    print(f"  compute warpgroup {wg}: item {item} = query tile {m} of query head {head}, packed rows {rows[0]}..{rows[1]}")""",
+"""md:## 2. Inside the program: four warpgroups, 512 threads
+
+Three compute warpgroups (one item each: `S = Q Kᵀ`, the online softmax and `O += P V` in registers) and one memory
+warpgroup streaming K/V tiles with TMA. What the kernel's source fixes:""",
+"""declared = targets.mosaic_declared(call)
+print("threads", declared.threads, "| shared memory (the kernel's buffers)", f"{declared.shared:,} B")
+for key, value in declared.facts.items():
+    print(f"{key}: {value}")
+S, O = declared.maps
+count, bound = compiled.programs_per_sm(None, declared.threads, declared.shared)
+print(f"programs per SM: {count} (bound by {bound}; registers are set per warpgroup with setmaxnreg)")""",
+"""md:## 3. One warpgroup's score tile: S [64, 128] in the WGMMA layout
+
+`wgmma.m64nNk16` writes its `[64, N]` float32 result across the 128 threads of a warpgroup: warp `w` gets rows
+`16w .. 16w + 15`, and inside them every lane holds two adjacent columns of two rows, eight columns apart in
+register order (`d0, d1` / `d2, d3` on the row 8 below, then the next 8 columns). The picture colours each element
+by its warp and marks thread 37's. Warpgroups 1 and 2 hold their own items' tiles in the same layout.""",
+"""THREAD = 37
+fig = draw([S, O], thread=THREAD, title="Mosaic GPU prefill, one compute warpgroup: who holds S and O")
+plt.show()
+# zoom: warp 1's rows 16..31, columns 0..15 of S, each element labelled with the lane holding it
+lanes = S.owner()[16:32, :16] % 32
+fig, ax = plt.subplots(figsize=(7, 7))
+ax.imshow(lanes // 4, cmap="tab10", vmin=0, vmax=9)        # colour: groupID (the row pair a lane holds)
+for (r, c), lane in np.ndenumerate(lanes):
+    mine = S.owner()[16 + r, c] == THREAD
+    ax.text(c, r, str(lane), ha="center", va="center", fontsize=8, fontweight="bold" if mine else "normal",
+            color="black" if mine else "white")
+    if mine:
+        ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2))
+ax.set_xticks(range(16)); ax.set_yticks(range(16), [str(16 + r) for r in range(16)])
+ax.set_xlabel("column of S"); ax.set_ylabel("row of S")
+ax.set_title(f"warp 1 of the warpgroup: the lane of each element (bold: thread {THREAD}, lane {THREAD % 32})",
+             fontsize=9)
+plt.show()""",
+"""md:## 4. Down to one thread: its elements and the registers they live in
+
+Thread 37 is warp 1 of warpgroup 0, lane 5: `groupID = 5 >> 2 = 1`, `threadID_in_group = 5 % 4 = 1`. It holds rows
+`16 + 1` and `16 + 1 + 8` of its item's tile, columns `2, 3` of every 8-column block, in `d0 .. d63`. The PTX ISA's
+formula (`fragments.wgmma_m64nNk16_element`) gives the same list, register for register.""",
+"""elements = S.elements_of(THREAD)
+print(f"thread {THREAD}: {len(elements)} elements of S")
+for e in elements[:12]:
+    print(f"  {e.fragment:>4s} -> S[{e.row:2d}, {e.col:3d}]")
+print("  ...")
+assert all(fragments.wgmma_m64nNk16_element(THREAD, e.register, S.shape[1]) == (e.row, e.col) for e in elements)
+m, head, rows = ITEMS[THREAD // 128]
+print(f"in the batch: query head {head}, packed rows {rows[0] + 17} and {rows[0] + 25}; at K/V step j its columns "
+      "are keys 128 j + col of the request")""",
+"""md:## 5. Why the layout matters: a row lives in four lanes
+
+The online softmax needs each row's max and sum. A row of `S` is spread over the four lanes of one `groupID`, two
+columns a register pair, so the reduction is a thread's own registers, then two butterfly shuffles (`SHFL.BFLY` by
+1 and 2) — never shared memory. Mosaic GPU relies on it (`reduction_scratch_bytes=0` in the kernel).""",
+"""row = 17
+holders = sorted({int(t) for t in S.owner()[row]})
+print(f"row {row} of S is held by threads {holders} (warp {holders[0] // 32}, lanes {[t % 32 for t in holders]})")
+assert len(holders) == 4 and holders == list(range(holders[0], holders[0] + 4))""",
+"""md:## 6. The same tile in the Triton kernel, compiled for sm_90 here
+
+With the `triton` wheel (3.6.0, the GPU machine's release) the Triton prefill compiles on this machine exactly as on
+the device: its TTGIR says which MMA Triton chose (`#ttg.nvidia_mma`), its PTX and SASS give registers, spills and
+the instruction mix of the K/V loops. Without the wheel this section says so and shows nothing compiled.""",
+"""if compiled.triton_version() is None:
+    print("the triton wheel is not installed here: no compiled facts. With pip install triton==3.6.0:\\n"
+          "  pallas-attn inspect prefill --workload P1 --backend triton --thread 37 --plot s_tile.png")
+else:
+    from pallas_attn.inspection import inspect_kernel, render
+    report = inspect_kernel("prefill", "P1", backend="triton", thread=THREAD)
+    text = render(report)
+    print(text[:text.index("== fragment maps")])
+    print(report.maps[0].source)
+    draw(report.maps, thread=THREAD, title="Triton prefill (compiled for sm_90 here)")
+    plt.show()""",
+]
+
 if __name__ == "__main__":
     for name, cells in (("01_packed_requests.ipynb", NB1), ("02_paged_kv.ipynb", NB2),
-                        ("03_use_in_a_model.ipynb", NB3)):
+                        ("03_use_in_a_model.ipynb", NB3), ("04_threads.ipynb", NB4)):
         nbformat.write(nb(cells), HERE / name)
         print("wrote", HERE / name)
