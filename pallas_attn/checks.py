@@ -156,9 +156,19 @@ def _varlen_rules(a) -> jax.Array:
     return ok
 
 
+def _check_kv_scales(a) -> jax.Array:
+    """An FP8 cache's scales, traced (their values unknown in front of the call): finite and positive."""
+    ok = jnp.bool_(True)
+    for name in ("k_scale", "v_scale"):
+        if a.get(name) is not None:
+            ok &= _require(~(jnp.isfinite(a[name]) & (a[name] > 0)), f"{name} must be finite and positive; got {{v}}",
+                           v=a[name])
+    return ok
+
+
 def _decode_rules(a) -> jax.Array:
     seq_lens, k_cache = a["seq_lens"], a["k_cache"]
-    return (_check_nonneg("seq_lens", seq_lens)
+    return (_check_nonneg("seq_lens", seq_lens) & _check_kv_scales(a)
             & _check_pages(seq_lens, a["block_tables"], k_cache.shape[0], k_cache.shape[1], "seq_lens"))
 
 
@@ -170,6 +180,7 @@ def _paged_rules(a) -> jax.Array:
     b = _first(over)
     ok &= _require(over, "request {b} has q_len={n} new tokens > seq_lens[{b}]={s} keys (its new tokens must "
                          "already be in the cache)", b=b, n=_at(q_lens, b), s=_at(seq_lens, b))
+    ok &= _check_kv_scales(a)
     return ok & _check_pages(seq_lens, a["block_tables"], k_cache.shape[0], k_cache.shape[1], "seq_lens")
 
 
@@ -239,13 +250,16 @@ _SPECS: dict[Callable, _Spec] = {
                             ("q", "k", "v", "cu_seqlens", "alibi_slopes", "sinks")),
     paged_decode_attention: _Spec(_decode_rules,
                                   lambda a: decode_ops._validate(*(a[k] for k in ("q", "k_cache", "v_cache",
-                                                                                  "block_tables", "seq_lens"))),
-                                  ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks")),
+                                                                                  "block_tables", "seq_lens")),
+                                                                 a.get("k_scale"), a.get("v_scale")),
+                                  ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "alibi_slopes", "sinks",
+                                   "k_scale", "v_scale")),
     paged_attention: _Spec(_paged_rules,
                            lambda a: paged_ops._validate(*(a[k] for k in ("q", "k_cache", "v_cache", "block_tables",
-                                                                          "seq_lens", "cu_query_lens"))),
+                                                                          "seq_lens", "cu_query_lens")),
+                                                         a.get("k_scale"), a.get("v_scale")),
                            ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_query_lens", "alibi_slopes",
-                            "sinks")),
+                            "sinks", "k_scale", "v_scale")),
     sparse_mla_attention: _Spec(_sparse_rules,
                                 lambda a: sparse_ops._validate(*(a[k] for k in (
                                     "q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens", "seq_lens",

@@ -30,20 +30,8 @@ import numpy as np
 from pallas_attn.core import validation
 
 PAD_SLOT = -1  # slot_mapping entry of a padding row: skipped by the write
-CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn,
-                                            jnp.float8_e5m2))
-FP8_DTYPES = CACHE_DTYPES[3:]  # stored = value / scale (per tensor): write_kv_cache(k_scale=, v_scale=)
-
-
-def _check_kv_scale(name: str, scale):
-    """A per-tensor scale: a float scalar, positive and finite where its value is known (trace time)."""
-    arr = jnp.asarray(scale)
-    if arr.shape != () or not jnp.issubdtype(arr.dtype, jnp.floating):
-        raise ValueError(f"{name} must be a float scalar (shape []); got {arr.dtype}{list(arr.shape)}")
-    arr = arr.astype(jnp.float32)
-    if not isinstance(arr, jax.core.Tracer) and not (np.isfinite(float(arr)) and float(arr) > 0):
-        raise ValueError(f"{name} must be finite and positive; got {float(arr)}")
-    return arr
+FP8_DTYPES = validation.FP8_DTYPES  # stored = value / scale (per tensor): write_kv_cache(k_scale=, v_scale=)
+CACHE_DTYPES = (*validation.FLOAT_DTYPES, *FP8_DTYPES)
 
 
 def _quantize(x, scale, dtype):
@@ -61,8 +49,8 @@ def allocate_kv_cache(
     `block_size` must be one the paged kernels accept: a power of two up to 16 or a multiple of 16 up to 1024
     (48 and 544 included); anything else raises `ValueError` here rather than at the first attention call.
     `dtype`: bfloat16, float16, float32, or an FP8 format (float8_e4m3fn, float8_e5m2) written through
-    `write_kv_cache(..., k_scale=, v_scale=)`; the attention kernels do not read FP8 caches yet (the reference
-    does: `pallas_attn.reference.paged_attention(..., k_scale=, v_scale=)`).
+    `write_kv_cache(..., k_scale=, v_scale=)` and read by the paged kernels given the same scales
+    (docs/design.md#fp8-kv-caches).
 
     Example:
       >>> k_cache, v_cache = allocate_kv_cache(8, 16, 2, 64)
@@ -127,18 +115,11 @@ def _write_kv_cache_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale):
 
 
 def _check_scales(k_cache, v_cache, k_scale, v_scale):
-    """The scales an FP8 pair of caches needs (both), refused with any other dtype."""
-    fp8 = [jnp.dtype(c.dtype) in FP8_DTYPES for c in (k_cache, v_cache)]
-    if any(fp8):
-        if not all(fp8) or k_cache.dtype != v_cache.dtype:
-            raise ValueError(f"k_cache and v_cache must share one FP8 dtype; got {k_cache.dtype}, {v_cache.dtype}")
-        if k_scale is None or v_scale is None:
-            raise ValueError(f"an FP8 cache ({k_cache.dtype}) needs k_scale= and v_scale= (stored = value / scale)")
-        return _check_kv_scale("k_scale", k_scale), _check_kv_scale("v_scale", v_scale)
-    if k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale / v_scale go with an FP8 cache (float8_e4m3fn, float8_e5m2); k_cache is "
-                         f"{k_cache.dtype}")
-    return None, None
+    """The scales an FP8 pair of caches needs (both, finite and positive), refused with any other dtype."""
+    k_scale = validation.check_kv_scale("k_scale", k_scale)
+    v_scale = validation.check_kv_scale("v_scale", v_scale)
+    validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    return k_scale, v_scale
 
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))  # paged caches: stored = value / scale
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 512  # multiples of 8; the Triton kernels pad to the next power of two inside
 # Tokens per KV page: a power of two up to 16, or any multiple of 16 up to 1024 (vLLM's page sizes, 48 and 544
 # included). The kernels read each key's page through the block table (core/tiles.paged_rows), so a page need not
@@ -163,16 +164,15 @@ def check_mesh_axis(mesh, axis) -> int:
 
 
 def check_paged_kv(q, k_cache, v_cache, block_tables, q_layout: str) -> None:
-    """The rules shared by the paged kernels: q, both caches, their agreement, and the block table."""
+    """The rules shared by the paged kernels: q, both caches, their agreement, and the block table. The caches
+    hold q's dtype, or both one FP8 format (their scales: :func:`check_kv_scales`)."""
     check_rank("q", q, 3, q_layout)
     check_rank("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
     check_float("q", q)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if jnp.dtype(cache.dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
-            raise TypeError(f"{name} is {cache.dtype}: the paged kernels do not read FP8 caches yet (the reference "
-                            "does, pallas_attn.reference.paged_attention(..., k_scale=, v_scale=)); keep the cache "
-                            "in q's dtype")
-    check_same_dtype(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
+    if jnp.dtype(k_cache.dtype) in FP8_DTYPES or jnp.dtype(v_cache.dtype) in FP8_DTYPES:
+        check_same_dtype(("k_cache", "v_cache"), k_cache, v_cache)
+    else:
+        check_same_dtype(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
     check_shape("v_cache", v_cache, k_cache.shape, "k_cache.shape")
     if k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q head_dim {q.shape[2]}; "
@@ -182,6 +182,71 @@ def check_paged_kv(q, k_cache, v_cache, block_tables, q_layout: str) -> None:
     check_block_size(k_cache.shape[1])
     check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
     check_int32("block_tables", block_tables)
+
+
+def check_kv_scale(name: str, scale):
+    """A per-tensor FP8 cache scale (``stored = value / scale``): a float scalar (Python float, numpy or jax 0-d
+    array, traced or not) → ``f32[]``; finite and positive where its value is known (never inside ``jax.jit``: the
+    public functions call this in front of it). None passes as None.
+
+    A Python or numpy value is checked on the host before its transfer; a jax array's value costs one 4-byte read,
+    and none when traced (``checked`` tests it in the jitted program). No device operation runs here, and no
+    read waits on one: that stalls asynchronous dispatch (docs/performance.md#fp8-kv-caches)."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool):
+        raise TypeError(f"{name} must be a float scalar (shape []); got a bool")
+    if isinstance(scale, jax.ShapeDtypeStruct):
+        _check_scalar(name, scale)
+        return jax.ShapeDtypeStruct((), jnp.float32)
+    if isinstance(scale, jax.Array):  # tracers included
+        _check_scalar(name, scale)
+        if not isinstance(scale, jax.core.Tracer):
+            _check_scale_value(name, float(scale))
+        return scale if scale.dtype == jnp.float32 else scale.astype(jnp.float32)
+    try:
+        arr = np.asarray(scale)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or not jnp.issubdtype(arr.dtype, jnp.number):
+        raise TypeError(f"{name} must be a float scalar (shape []); got {_describe(scale)}")
+    _check_scalar(name, arr)
+    value = np.float32(arr)
+    _check_scale_value(name, float(value))
+    return jnp.asarray(value)  # a transfer, not an operation: the same jit signature as a jax array's
+
+
+def _check_scale_value(name: str, value: float) -> None:
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and positive (stored = value / {name}); got {value}")
+
+
+def _check_scalar(name: str, x) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a float scalar (shape []); got {x.dtype}{list(x.shape)}")
+    if x.shape != ():
+        raise ValueError(f"{name} must be a float scalar (shape []): one scale per tensor (per-token or per-head "
+                         f"scales are not supported); got {x.dtype}{list(x.shape)}")
+
+
+def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """An FP8 pair of caches has both scales, any other pair neither; True for FP8. Shapes and dtypes only (the
+    values: :func:`check_kv_scale`)."""
+    fp8 = [jnp.dtype(c.dtype) in FP8_DTYPES for c in (k_cache, v_cache)]
+    if any(fp8):
+        if not all(fp8) or k_cache.dtype != v_cache.dtype:
+            raise TypeError(f"k_cache and v_cache must share one FP8 dtype; got {k_cache.dtype}, {v_cache.dtype}")
+        missing = [n for n, x in (("k_scale", k_scale), ("v_scale", v_scale)) if x is None]
+        if missing:
+            raise ValueError(f"an FP8 cache ({k_cache.dtype}) needs k_scale= and v_scale= (stored = value / scale, "
+                             f"as written by write_kv_cache); {' and '.join(missing)} missing")
+        _check_scalar("k_scale", k_scale)
+        _check_scalar("v_scale", v_scale)
+        return True
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale go with an FP8 cache (float8_e4m3fn, float8_e5m2); k_cache is "
+                         f"{k_cache.dtype}")
+    return False
 
 
 def check_window_size(name: str, value) -> tuple[int, int]:

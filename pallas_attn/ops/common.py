@@ -26,7 +26,7 @@ from pallas_attn.core import validation
 
 
 def front(*, arrays: Sequence[str] = (), int_arrays: Sequence[str] = (),
-          statics: Mapping[str, Callable] | None = None):
+          statics: Mapping[str, Callable] | None = None, scalars: Mapping[str, Callable] | None = None):
     """Decorator: the decorated (jitted) function behind a wrapper that converts and checks its arguments.
 
     Args:
@@ -35,12 +35,15 @@ def front(*, arrays: Sequence[str] = (), int_arrays: Sequence[str] = (),
         None may be None.
       statics: name → ``rule(name, value)`` returning the value to pass on (a ``check_static_*`` helper). Only the
         arguments the caller gives are checked: defaults are valid by construction.
+      scalars: name → ``rule(name, value)`` for traced scalar arguments (FP8 cache scales): the rule converts a
+        Python float to an array and checks the value where it is known, so a bad one is named here, while a new
+        value does not recompile (it is an array to ``jax.jit``, not a static).
 
     The wrapper exposes ``normalize(*args, **kwargs) -> (args, kwargs)`` (what it would pass on), which
     :func:`pallas_attn.checked` uses to see the same arguments as the function, and the jitted function's
     ``lower`` / ``trace`` / ``eval_shape`` behind the same checks (``jax.ShapeDtypeStruct`` arguments pass as is).
     """
-    statics = dict(statics or {})
+    statics = {**(statics or {}), **(scalars or {})}  # the same check-and-convert call; jit sees arrays for scalars
     int_set = frozenset(int_arrays)
     array_set = frozenset(arrays) | int_set
 
