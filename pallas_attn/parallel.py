@@ -208,8 +208,9 @@ _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 @renamed_argument("context_lens", "seq_lens")
 def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens=None, *, mesh: Mesh, axis: str = "cp",
                             merge: str = "all_gather", softmax_scale: float | None = None, softcap: float = 0.0,
-                            sinks=None, num_splits: int | None = None, split_size: int | None = None,
-                            return_lse: bool = False, interpret: bool | None = None, config=None):
+                            sinks=None, k_scale=None, v_scale=None, num_splits: int | None = None,
+                            split_size: int | None = None, return_lse: bool = False, interpret: bool | None = None,
+                            config=None):
     """Decode with each request's paged K/V spread over the ``n`` devices of mesh axis ``axis``.
 
     Args:
@@ -226,7 +227,7 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens=None, *,
       mesh, axis: the mesh and its context-parallel axis (size ``n``; an axis the mesh lacks raises ``ValueError``).
       merge: ``"all_gather"`` (gather ``n`` partial ``(out, lse)``, then :func:`pallas_attn.merge_attention_states`
         on every device) or ``"psum"`` (``pmax`` + two ``psum`` s of rescaled partials).
-      softmax_scale, softcap, num_splits, split_size, interpret, config: passed to each device's
+      softmax_scale, softcap, k_scale, v_scale, num_splits, split_size, interpret, config: passed to each device's
         :func:`pallas_attn.paged_decode_attention` (split-KV inside a device composes with the split across them).
       sinks: ``f32[num_q_heads]`` or None: applied once, to the merged state (each device's is sink-free). A window
         and ALiBi need absolute key positions, which a device's slice does not carry: they are not taken here.
@@ -253,19 +254,22 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens=None, *,
         raise TypeError("context_parallel_decode() missing seq_lens: pass seq_lens, or a ContextShards as "
                         "block_tables")
     return _context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, mesh=mesh, axis=axis, merge=merge,
-                                    softmax_scale=softmax_scale, softcap=softcap, sinks=sinks, num_splits=num_splits,
-                                    split_size=split_size, return_lse=return_lse, interpret=interpret, config=config)
+                                    softmax_scale=softmax_scale, softcap=softcap, sinks=sinks, k_scale=k_scale,
+                                    v_scale=v_scale, num_splits=num_splits, split_size=split_size,
+                                    return_lse=return_lse, interpret=interpret, config=config)
 
 
 @common.front(arrays=("q", "k_cache", "v_cache", "sinks"), int_arrays=("block_tables", "seq_lens"),
               statics=dict(softmax_scale=validation.check_softmax_scale, softcap=validation.check_softcap,
                            num_splits=_OPTIONAL_INT,
                            split_size=_OPTIONAL_INT, return_lse=validation.check_static_bool,
-                           interpret=_OPTIONAL_BOOL))
+                           interpret=_OPTIONAL_BOOL),
+              scalars=dict(k_scale=validation.check_kv_scale, v_scale=validation.check_kv_scale))
 @functools.partial(jax.jit, static_argnames=("mesh", "axis", "merge", "softmax_scale", "softcap", "num_splits",
                                              "split_size", "return_lse", "interpret", "config"))
-def _context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, sinks=None, *, mesh, axis, merge,
-                             softmax_scale, softcap, num_splits, split_size, return_lse, interpret, config):
+def _context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, sinks=None, k_scale=None, v_scale=None, *,
+                             mesh, axis, merge, softmax_scale, softcap, num_splits, split_size, return_lse, interpret,
+                             config):
     n = mesh.shape[axis]
     for name, x, rank in (("k_cache", k_cache, 5), ("v_cache", v_cache, 5), ("block_tables", block_tables, 3),
                           ("seq_lens", seq_lens, 2)):
@@ -280,14 +284,18 @@ def _context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, sinks=
                                num_splits=num_splits, split_size=split_size, return_lse=True, interpret=interpret,
                                config=config)
 
-    def local(q, kc, vc, bt, lens):
-        out, lse = kernel(q, kc[0], vc[0], bt[0], lens[0])  # this device's slice: a partial state
+    fp8 = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    scales = (k_scale, v_scale) if fp8 else ()
+
+    def local(q, kc, vc, bt, lens, *scales):
+        kv_scales = dict(zip(("k_scale", "v_scale"), scales))  # empty without FP8
+        out, lse = kernel(q, kc[0], vc[0], bt[0], lens[0], **kv_scales)  # this device's slice: a partial state
         merged, m_lse = cross_device_merge(out, lse, axis, merge=merge)
         return merged.astype(q.dtype), m_lse
 
     shard = P(axis)
-    in_specs = (P(), shard, shard, shard, shard)
-    args = _placed(mesh, axis, (q, k_cache, v_cache, block_tables, seq_lens), in_specs)
+    in_specs = (P(), shard, shard, shard, shard) + (P(),) * len(scales)
+    args = _placed(mesh, axis, (q, k_cache, v_cache, block_tables, seq_lens, *scales), in_specs)
     out, lse = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), check_vma=False)(*args)
     if sinks is not None:  # once, on the merged state
         out = softmax.apply_sink(out.astype(jnp.float32), lse, sinks).astype(q.dtype)

@@ -123,9 +123,9 @@ def test_demo_rejects_repeats_below_one(repeats, capsys, monkeypatch):
     assert "argument --repeats: must be an integer >= 1" in capsys.readouterr().err
 
 
-def test_cli_help_points_at_the_benchmark_documents(capsys):
+def test_cli_help_points_at_the_documents(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
     assert exit_info.value.code == 0
     cited = re.findall(r"[\w./-]+\.md", capsys.readouterr().out)
-    assert sorted(set(cited)) == ["benchmarks/README.md", "docs/performance.md"]
+    assert sorted(set(cited)) == ["benchmarks/README.md", "docs/performance.md", "docs/threads.md"]

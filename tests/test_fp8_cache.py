@@ -1,16 +1,21 @@
 """FP8 paged caches, first the definition: ``reference.quantize_kv`` / ``dequantize_kv`` (vLLM's per-tensor
 scale: stored = value / scale, read = stored · scale), the paged oracles over a dequantised cache, the write
-through ``write_kv_cache(k_scale=, v_scale=)``, and the named errors (the kernels do not read FP8 caches yet)."""
+through ``write_kv_cache(k_scale=, v_scale=)``; then the paged kernels reading FP8 against the oracles (every batch
+kind, split-KV on and off, pages of 16, 48 and 64, NaN in every slot no request owns, corrupt tables), and the
+named errors."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import pallas_attn as pa
 from pallas_attn import reference
-from pallas_attn.testing import make_paged_kv, relative_l2
+from pallas_attn.testing import assert_attention_close, make_paged_kv, relative_l2
+from tests.test_isolation import DECODE_SCENARIOS
 
 FORMATS = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 
@@ -82,12 +87,214 @@ def test_fp8_errors_are_named(rng):
     with pytest.raises(ValueError, match=r"dtype=.*int8.* must be one of"):
         pa.allocate_kv_cache(2, 16, 1, 32, jnp.int8)
     q = jnp.ones((1, 2, 32), jnp.bfloat16)
-    bt, lens = jnp.zeros((1, 1), jnp.int32), jnp.array([4], jnp.int32)
-    with pytest.raises(TypeError, match=r"k_cache is float8_e4m3fn: the paged kernels do not read FP8"):
-        pa.paged_decode_attention(q, k8, v8, bt, lens)
-    with pytest.raises(TypeError, match=r"do not read FP8"):
-        pa.paged_attention(q, k8, v8, bt, lens, jnp.array([0, 1], jnp.int32), max_query_len=1)
+    bt, lens, cu = jnp.zeros((1, 1), jnp.int32), jnp.array([4], jnp.int32), jnp.array([0, 1], jnp.int32)
+    with pytest.raises(ValueError, match=r"needs k_scale= and v_scale=.*v_scale missing"):
+        pa.paged_decode_attention(q, k8, v8, bt, lens, k_scale=1.0)
+    with pytest.raises(ValueError, match=r"needs k_scale= and v_scale="):
+        pa.paged_attention(q, k8, v8, bt, lens, cu, max_query_len=1)
+    with pytest.raises(ValueError, match=r"go with an FP8 cache"):
+        pa.paged_decode_attention(q, kb, vb, bt, lens, k_scale=1.0, v_scale=1.0)
+    for bad in (0.0, -2.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"v_scale must be finite and positive"):
+            pa.paged_attention(q, k8, v8, bt, lens, cu, max_query_len=1, k_scale=1.0, v_scale=bad)
+    with pytest.raises(ValueError, match=r"k_scale must be a float scalar"):
+        pa.paged_decode_attention(q, k8, v8, bt, lens, k_scale=jnp.ones(2), v_scale=1.0)
+    with pytest.raises(TypeError, match=r"k_scale must be a float scalar"):
+        pa.paged_decode_attention(q, k8, v8, bt, lens, k_scale=jnp.int32(1), v_scale=1.0)
+    with pytest.raises(TypeError, match=r"k_scale must be a float scalar"):
+        pa.paged_decode_attention(q, k8, v8, bt, lens, k_scale=True, v_scale=1.0)
+    k5, v5 = pa.allocate_kv_cache(2, 16, 1, 32, jnp.float8_e5m2)
+    with pytest.raises(TypeError, match=r"k_cache / v_cache must share one dtype"):
+        pa.paged_decode_attention(q, k8, v5, bt, lens, k_scale=1.0, v_scale=1.0)
+    with pytest.raises(TypeError, match=r"k_cache / v_cache must share one dtype"):
+        pa.paged_decode_attention(q, k8, vb, bt, lens, k_scale=1.0, v_scale=1.0)
     with pytest.raises(ValueError, match=r"needs k_scale= and v_scale="):
         reference.paged_decode_attention(q, k8, v8, bt, lens)
     with pytest.raises(ValueError, match=r"go with an FP8 cache"):
         reference.paged_decode_attention(q, kb, vb, bt, lens, k_scale=1.0, v_scale=1.0)
+
+
+# ---------------------------------------------------------------------------------------------- the kernels
+K_SCALE, V_SCALE = 0.02, 0.01  # random normal K and V: stored values around ±50 and ±100, well inside e4m3's 448
+
+# name: (query_lens, seq_lens) per request; q_len 0 and a one-key request included.
+BATCHES = {
+    "decode": ([1, 1, 1, 1], [1, 17, 64, 100]),
+    "verification": ([6, 6, 6], [6, 40, 97]),
+    "chunked_prefill": ([20, 33], [52, 120]),
+    "mixed": ([1, 6, 0, 24, 30, 1], [50, 70, 9, 24, 90, 1]),
+}
+# name: (block_size, num_q_heads, num_kv_heads, head_dim, q dtype)
+LAYOUTS = {
+    "bs16_gqa4_f32": (16, 8, 2, 64, jnp.float32),
+    "bs48_gqa2_bf16": (48, 4, 2, 64, jnp.bfloat16),
+    "bs64_mha_f16": (64, 2, 2, 32, jnp.float16),
+}
+
+
+def _fp8_inputs(rng, fmt, q_lens, seq_lens, bs, hq, hkv, d, dtype, pad=3):
+    """q (NaN in its padding rows), FP8 caches with NaN in every slot no request owns, the table, lengths, cu."""
+    kc, vc, bt = make_paged_kv(rng, seq_lens, bs, hkv, d, jnp.float32)
+    k8, v8 = reference.quantize_kv(kc, K_SCALE, fmt), reference.quantize_kv(vc, V_SCALE, fmt)  # NaN stays NaN
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = np.full((cu[-1] + pad, hq, d), np.nan, np.float32)
+    q[: cu[-1]] = rng.standard_normal((cu[-1], hq, d))
+    return jnp.asarray(q, dtype), k8, v8, bt, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(cu)
+
+
+SCALES = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_paged_attention_reads_fp8(fmt, batch, layout, rng):
+    q_lens, seq_lens = BATCHES[batch]
+    bs, hq, hkv, d, dtype = LAYOUTS[layout]
+    q, k8, v8, bt, sl, cu = _fp8_inputs(rng, fmt, q_lens, seq_lens, bs, hq, hkv, d, dtype)
+    splits = dict(num_splits=1) if layout == "bs64_mha_f16" else dict(num_splits=3)
+    out, lse = pa.paged_attention(q, k8, v8, bt, sl, cu, max_query_len=max(q_lens), return_lse=True,
+                                  config=pa.DecodeConfig(block_n=16), **SCALES, **splits)
+    ref_out, ref_lse = reference.paged_attention(q, k8, v8, bt, sl, cu, return_lse=True, **SCALES)
+    n = sum(q_lens)
+    assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
+    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(out, np.float32)[n:] == 0) and np.all(np.asarray(lse)[n:] == -np.inf)
+
+
+@pytest.mark.parametrize("split", [dict(num_splits=1), dict(num_splits=4), dict(split_size=32), dict()])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_paged_decode_reads_fp8(fmt, layout, split, rng):
+    q_lens, seq_lens = BATCHES["decode"]
+    bs, hq, hkv, d, dtype = LAYOUTS[layout]
+    q, k8, v8, bt, sl, _ = _fp8_inputs(rng, fmt, q_lens, seq_lens, bs, hq, hkv, d, dtype, pad=0)
+    out, lse = pa.paged_decode_attention(q, k8, v8, bt, sl, return_lse=True, config=pa.DecodeConfig(block_n=16),
+                                         **SCALES, **split)
+    ref_out, ref_lse = reference.paged_decode_attention(q, k8, v8, bt, sl, return_lse=True, **SCALES)
+    assert_attention_close(out, ref_out, dtype=dtype)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_with_every_feature(fmt, rng):
+    """Window, soft-cap, ALiBi and sinks over an FP8 cache: the K scale sits inside the soft-cap's tanh (it is part
+    of the score), the V scale outside the sink's denominator."""
+    q_lens, seq_lens = BATCHES["mixed"]
+    q, k8, v8, bt, sl, cu = _fp8_inputs(rng, fmt, q_lens, seq_lens, 16, 4, 2, 64, jnp.float32)
+    feats = dict(window_size=(20, 0), softcap=5.0, alibi_slopes=jnp.asarray(rng.uniform(0.01, 0.3, 4), jnp.float32),
+                 sinks=jnp.asarray(rng.standard_normal(4), jnp.float32))
+    out = pa.paged_attention(q, k8, v8, bt, sl, cu, max_query_len=30, num_splits=2,
+                             config=pa.DecodeConfig(block_n=16), **SCALES, **feats)
+    ref = reference.paged_attention(q, k8, v8, bt, sl, cu, **SCALES, **feats)
+    assert_attention_close(out, ref, dtype=jnp.float32, valid_rows=sum(q_lens))
+
+
+def test_scales_are_traced_not_static(rng):
+    """A new scale reuses the compiled program (it is data, as a serving engine's calibration is) and still
+    matters: doubling k_scale doubles every score."""
+    q, k8, v8, bt, sl, _ = _fp8_inputs(rng, jnp.float8_e4m3fn, [1, 1], [30, 7], 16, 4, 2, 32, jnp.float32, pad=0)
+    run = lambda ks, vs: pa.paged_decode_attention(q, k8, v8, bt, sl, k_scale=ks, v_scale=vs)  # noqa: E731
+    run(0.02, 0.01)
+    run(0.02, 0.01)  # a process's first interpreted call registers a JAX config (Pallas' fuser): one more trace
+    jitted = pa.paged_decode_attention
+    while not hasattr(jitted, "_cache_size"):  # the jitted function behind the argument checks
+        jitted = jitted.__wrapped__
+    before = jitted._cache_size()
+    for ks, vs in ((0.04, 0.01), (jnp.float32(0.02), jnp.float32(0.03))):
+        assert_attention_close(run(ks, vs), reference.paged_decode_attention(q, k8, v8, bt, sl, k_scale=ks,
+                                                                             v_scale=vs), dtype=jnp.float32)
+    assert jitted._cache_size() == before
+    outer = jax.jit(lambda ks, vs: pa.paged_decode_attention(q, k8, v8, bt, sl, k_scale=ks, v_scale=vs))
+    assert_attention_close(outer(0.04, 0.02), reference.paged_decode_attention(q, k8, v8, bt, sl, k_scale=0.04,
+                                                                                 v_scale=0.02), dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("name, corrupt", DECODE_SCENARIOS, ids=[s[0] for s in DECODE_SCENARIOS])
+def test_fp8_corrupt_request_stays_alone(rng, name, corrupt):
+    """The isolation scenarios over an FP8 cache, both kernels: the other requests' outputs are bit-identical to
+    the clean run's, the corrupted one's is the reference's."""
+    lens, q_lens = [13, 17, 1, 16], [1, 6, 1, 1]
+    kc, vc, bt = make_paged_kv(rng, lens, 4, 2, 16, jnp.float32, max_blocks=6, table_padding="neg")
+    k8, v8 = reference.quantize_kv(kc, K_SCALE, jnp.float8_e4m3fn), reference.quantize_kv(vc, V_SCALE,
+                                                                                           jnp.float8_e4m3fn)
+    sl = jnp.asarray(lens, jnp.int32)
+    sl_bad, bt_bad = corrupt(sl, bt, kc.shape[0])
+    q = jnp.asarray(rng.standard_normal((4, 4, 16)), jnp.float32)
+    decode = lambda s, t: pa.paged_decode_attention(q, k8, v8, t, s, num_splits=3, **SCALES)  # noqa: E731
+    clean, out = decode(sl, bt), decode(sl_bad, bt_bad)
+    np.testing.assert_array_equal(np.asarray(out)[[0, 2, 3]], np.asarray(clean)[[0, 2, 3]])
+    assert not np.isnan(np.asarray(out)[[0, 2, 3]]).any()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference.paged_decode_attention(
+        q, k8, v8, bt_bad, sl_bad, **SCALES)), rtol=2e-5, atol=2e-5, equal_nan=True)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    qr = jnp.asarray(rng.standard_normal((12, 4, 16)), jnp.float32)
+    ragged = lambda s, t: pa.paged_attention(qr, k8, v8, t, s, cu, max_query_len=8, **SCALES)  # noqa: E731
+    clean, out = ragged(sl, bt), ragged(sl_bad, bt_bad)
+    others = np.r_[0:1, 7:12]
+    np.testing.assert_array_equal(np.asarray(out)[others], np.asarray(clean)[others])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference.paged_attention(
+        qr, k8, v8, bt_bad, sl_bad, cu, **SCALES)), rtol=2e-5, atol=2e-5, equal_nan=True)
+
+
+def _needle_weight(rng, num_keys: int, fmt) -> tuple[float, float]:
+    """One query, ``num_keys`` keys of which one (the needle) holds 90% of the attention over a bf16 cache (its
+    score set from the other scores: ``exp(s) = 9 · Σ exp(others)``, FlashAttention 3's 91% retrieval case): its
+    weight read over the bf16 cache and over an FP8 one (scales from each tensor's largest magnitude, as
+    calibration sets them). The needle's value is the one-hot of channel 0 and every other value's channel 0 is 0,
+    so ``out[0]`` is the weight times the needle's stored value. At 90% the weight moves by ``0.1 · Δs`` for an
+    error ``Δs`` of the needle's score, so FP8's rounding of the keys moves it by 0.6% (e4m3) and 1.2% (e5m2)
+    (1 σ over seeds): a 5% bound is no coin toss, while quantised probabilities (FA3's 91% → 13%) break it."""
+    d, bs = 128, 16
+    pages = -(-num_keys // bs)
+    q = np.asarray(jnp.asarray(rng.standard_normal((1, 1, d)), jnp.bfloat16), np.float64)
+    k = np.asarray(jnp.asarray(rng.standard_normal((pages, bs, 1, d)), jnp.bfloat16), np.float64)
+    v = rng.standard_normal((pages, bs, 1, d))
+    v[..., 0] = 0.0
+    pos = int(rng.integers(num_keys))
+    table = rng.permutation(pages).astype(np.int32)[None, :]
+    page, slot = table[0, pos // bs], pos % bs
+    scores = np.einsum("d,pbd->pb", q[0, 0], k[:, :, 0]) / np.sqrt(d)
+    keys = np.zeros((pages, bs), bool)
+    keys[table[0], :] = (np.arange(pages * bs).reshape(pages, bs) < num_keys)
+    keys[page, slot] = False
+    needle_score = np.log(9 * np.exp(scores[keys]).sum())
+    k[page, slot, 0] = q[0, 0] * needle_score * np.sqrt(d) / (q[0, 0] @ q[0, 0])
+    v[page, slot, 0] = np.eye(d)[0]
+    q, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    bt, sl = jnp.asarray(table), jnp.asarray([num_keys], jnp.int32)
+    finite = float(jnp.finfo(fmt).max)
+    ks, vs = (jnp.max(jnp.abs(x.astype(jnp.float32))) / finite for x in (kb, vb))
+    k8, v8 = reference.quantize_kv(kb, ks, fmt), reference.quantize_kv(vb, vs, fmt)
+    bf16 = float(pa.paged_decode_attention(q, kb, vb, bt, sl)[0, 0, 0])
+    fp8 = float(pa.paged_decode_attention(q, k8, v8, bt, sl, k_scale=ks, v_scale=vs)[0, 0, 0])
+    # The needle's value 1.0 is stored to FP8's precision (up to 6% off in e4m3): divide it out, to read the weight.
+    return bf16, fp8 / float(reference.dequantize_kv(v8[page, slot, 0, 0], vs))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_needle_keeps_its_weight(fmt, rng):
+    """The retrieval failure of FP8 attention at long context (a dominant key's weight lost to a coarse scale of
+    the probabilities) cannot happen here: probabilities stay bf16 and accumulate in float32; only K and V are
+    FP8. 4,096 keys interpreted; 131,072 compiled (``test_needle_at_128k``)."""
+    bf16, fp8 = _needle_weight(rng, 4096, fmt)
+    assert 0.85 < bf16 < 0.95 and abs(fp8 - bf16) <= 0.05 * bf16, (bf16, fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_needle_at_128k(fmt, rng):
+    bf16, fp8 = _needle_weight(rng, 131072, fmt)
+    assert 0.85 < bf16 < 0.95 and abs(fp8 - bf16) <= 0.05 * bf16, (bf16, fp8)
+
+
+def test_checked_catches_a_traced_bad_scale(rng):
+    """Inside the caller's jit the scales' values are unknown in front of the call: ``checked`` checks them with
+    the data rules (and skips the kernel)."""
+    q, k8, v8, bt, sl, _ = _fp8_inputs(rng, jnp.float8_e4m3fn, [1, 1], [30, 7], 16, 4, 2, 32, jnp.float32, pad=0)
+    step = jax.jit(lambda ks: pa.checked(pa.paged_decode_attention)(q, k8, v8, bt, sl, k_scale=ks, v_scale=0.01))
+    err, out = checkify.checkify(step)(jnp.float32(jnp.nan))
+    assert "k_scale must be finite and positive" in str(err.get())
+    err, out = checkify.checkify(step)(jnp.float32(0.02))
+    assert err.get() is None
+    assert_attention_close(out, reference.paged_decode_attention(q, k8, v8, bt, sl, **SCALES), dtype=jnp.float32)

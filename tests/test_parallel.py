@@ -202,9 +202,29 @@ def check_cp_decode_bf16_bs8(rng):
     assert relative_l2(out, one) < 1e-2
 
 
+def check_cp_decode_fp8(rng):
+    """An FP8 cache spread over 2 devices: every shard dequantises with the same scales, the merge is unchanged."""
+    ctx = [70, 5, 0, 17]
+    (q, kc, vc, tables, lens), shards, _, mesh = _cp_case(rng, ctx)
+    k8, v8 = (reference.quantize_kv(c, 0.02, jnp.float8_e4m3fn) for c in (kc, vc))
+    scales = dict(k_scale=0.02, v_scale=0.02)
+    ref = reference.paged_decode_attention(q, k8, v8, tables, lens, **scales)
+    k8_2, v8_2 = (parallel.shard_paged_cache(c, shards.page_map, mesh=mesh, axis="cp") for c in (k8, v8))
+    for merge in ("all_gather", "psum"):
+        out = parallel.context_parallel_decode(q, k8_2, v8_2, shards, mesh=mesh, axis="cp", merge=merge,
+                                               config=SMALL, **scales)
+        assert_attention_close(out, ref, dtype=jnp.float32)
+    try:
+        parallel.context_parallel_decode(q, k8_2, v8_2, shards, mesh=mesh, axis="cp", k_scale=0.02)
+    except ValueError as e:
+        assert "needs k_scale= and v_scale=" in str(e), e
+    else:
+        raise AssertionError("an FP8 cache without v_scale was accepted")
+
+
 CHECKS = {f.__name__.removeprefix("check_"): f for f in [
     check_tp_varlen, check_tp_decode, check_tp_paged, check_tp_sparse, check_split_context_pages, check_cp_decode,
-    check_cp_decode_sinks_softcap, check_cp_decode_bf16_bs8]}
+    check_cp_decode_sinks_softcap, check_cp_decode_bf16_bs8, check_cp_decode_fp8]}
 
 
 def run_checks(names=None) -> int:

@@ -33,8 +33,12 @@ def small_int_to_float(d):
     return jax.lax.bitcast_convert_type(d + _MAGIC_BITS, jnp.float32) - _MAGIC
 
 
-def init_state(rows: int, width: int):
-    """``(acc [rows, width] f32, m [rows] f32 = -inf, l [rows] f32 = 0)``."""
+def init_state(rows: int, width: int, parts: int = 1):
+    """``(acc [rows, width] f32, m [rows] f32 = -inf, l [rows] f32 = 0)``; with ``parts > 1`` the accumulator is a
+    tuple of ``parts`` column groups (an FP8 cache's even and odd dims: :func:`pallas_attn.core.tiles.fp8_pairs`)."""
+    if parts > 1:
+        _, m, l = init_state(rows, width)
+        return tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(parts)), m, l
     return (jnp.zeros((rows, width), jnp.float32),
             jnp.full((rows,), -jnp.inf, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -103,12 +107,16 @@ def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2):
     Args:
       state: ``(acc [M, D], m [M], l [M])``.
       s2: ``[M, N]`` float32 scores in base 2, ``-inf`` where masked.
-      v: ``[N, D]`` value tile (input dtype); masked keys must hold finite values (loads use ``other=0``).
+      v: ``[N, D]`` value tile (input dtype), or a tuple of column groups matching ``state``'s accumulator;
+        masked keys must hold finite values (loads use ``other=0``).
       dot: the backend's matmul ``dot(a [M, N], b [N, D]) -> f32 [M, D]``.
       exp2: ``jnp.exp2`` (interpret mode, exact) or :func:`approx_exp2` (compiled).
     """
     acc, m, l = state
     m_new, alpha, p, l = softmax_update(m, l, s2, exp2)
+    if isinstance(v, tuple):
+        p = p.astype(v[0].dtype)
+        return tuple(alpha[:, None] * a + dot(p, part) for a, part in zip(acc, v)), m_new, l
     return alpha[:, None] * acc + dot(p.astype(v.dtype), v), m_new, l
 
 
@@ -130,7 +138,10 @@ def finalize(state, sink2=None):
     ``sink2 [M]`` (attention sinks in base 2): each row's denominator gets ``2**sink2`` with no value; the LSE
     stays over the keys only, so split states still merge (the merge applies the sink once)."""
     acc, m, l = state
-    return normalize(acc, with_sink(m, l, sink2)), log_sum_exp(m, l)
+    denominator = with_sink(m, l, sink2)
+    if isinstance(acc, tuple):
+        return tuple(normalize(a, denominator) for a in acc), log_sum_exp(m, l)
+    return normalize(acc, denominator), log_sum_exp(m, l)
 
 
 def with_sink(m, l, sink2=None):

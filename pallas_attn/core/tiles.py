@@ -10,6 +10,8 @@ it is a gather. Head dims that are not a power of two are padded inside the kern
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -44,7 +46,23 @@ def load_rows(ref, rows, cols: Cols, row_mask=None):
     view = ref.at[rows[:, None], cols.idx[None, :]]
     if mask is None:
         return plgpu.load(view)
-    return plgpu.load(view, mask=mask, other=0)
+    return plgpu.load(view, mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def load_parts(ref, rows, cols, row_mask=None):
+    """:func:`load_rows`, or a tuple of them for a tuple of column groups (:func:`pair_cols`)."""
+    if isinstance(cols, tuple):
+        return tuple(load_rows(ref, rows, c, row_mask) for c in cols)
+    return load_rows(ref, rows, cols, row_mask)
+
+
+def store_parts(ref, rows, cols, value, row_mask=None):
+    """:func:`store_rows`, or one per column group of a tuple (``value`` then the tuple of their tiles)."""
+    if isinstance(cols, tuple):
+        for c, v in zip(cols, value):
+            store_rows(ref, rows, c, v, row_mask)
+    else:
+        store_rows(ref, rows, cols, value, row_mask)
 
 
 def store_rows(ref, rows, cols: Cols, value, row_mask=None):
@@ -132,9 +150,82 @@ def dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def kv_scales(kv_scales_ref, scale: float):
+    """``(score scale, v_scale | None)`` of a paged kernel: with an FP8 cache (``kv_scales_ref f32[2]`` = k_scale,
+    v_scale) the K scale folds into the softmax scale and the V scale multiplies the normalised output once (the
+    cache's values are ``stored · scale``; both products are exact algebra, docs/design.md#fp8-kv-caches). Without,
+    the static ``scale`` and None."""
+    if kv_scales_ref is None:
+        return scale, None
+    return scale * kv_scales_ref[0], kv_scales_ref[1]
+
+
+FP8_QUERY_TOP = 14  # an FP8 cache's fp16 query tile has its largest magnitude in [2**14, 2**15)
+FP8_FORMATS = {jnp.dtype(jnp.float8_e4m3fn): "e4m3", jnp.dtype(jnp.float8_e5m2): "e5m2"}
+
+
+def fp8_format(cache_dtype) -> str | None:
+    """``"e4m3"`` / ``"e5m2"`` for an FP8 cache dtype, else None."""
+    return FP8_FORMATS.get(jnp.dtype(cache_dtype))
+
+
+def as_fp8_pairs(cache):
+    """An FP8 cache ``[..., D]`` as ``uint16[..., D/2]``, each element two neighbouring head dims (a free bitcast).
+
+    The paged kernels read FP8 pages this way: the tiles are 16-bit, so they are copied and laid out for the dots as
+    bf16 tiles are, where an FP8 tile is read from shared memory one byte at a time (256 ``ld.shared.b8`` a thread
+    per 128-key tile of D1, ``tools/offline_compile.py``), and :func:`fp8_pairs` converts two dims with one
+    instruction."""
+    return jax.lax.bitcast_convert_type(cache.reshape(*cache.shape[:-1], cache.shape[-1] // 2, 2), jnp.uint16)
+
+
+def pair_cols(head_dim: int, padded: int) -> tuple[Cols, Cols]:
+    """The even and odd head dims of a ``[rows, padded]`` array: two :class:`Cols` of ``padded // 2`` columns."""
+    even, odd = Cols(head_dim // 2, padded // 2), Cols(head_dim // 2, padded // 2)
+    even.idx, odd.idx = 2 * even.idx, 2 * odd.idx + 1
+    return even, odd
+
+
+def fp8_pairs(pairs, fmt: str, dtype, compiled: bool):
+    """``uint16[N, W]`` FP8 pairs (:func:`as_fp8_pairs`) → ``(even, odd)`` dims, each ``dtype[N, W]``, exact (NaN
+    and the e5m2 infinities included). Compiled: one ``cvt.rn.f16x2.{e4m3,e5m2}x2`` per pair (the low byte is the
+    even dim, into the low half); interpreted: the same through a bitcast."""
+    if compiled:
+        (both,) = plgpu.elementwise_inline_asm(
+            f"cvt.rn.f16x2.{fmt}x2 $0, $1;", args=[pairs], constraints="=r,h", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(pairs.shape, jnp.int32)])  # Triton takes signless ints only
+        half = lambda bits: jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)  # noqa: E731
+        even, odd = half(both & 0xFFFF), half(jax.lax.shift_right_logical(both, 16))
+    else:
+        fp8 = jnp.float8_e4m3fn if fmt == "e4m3" else jnp.float8_e5m2
+        both = jax.lax.bitcast_convert_type(pairs, fp8).astype(jnp.float16)  # [N, W, 2], little-endian
+        even, odd = both[..., 0], both[..., 1]
+    return even.astype(dtype), odd.astype(dtype)
+
+
+def query_for_cache(q, fp8: str | None, scale):
+    """``(q, scale)`` for the dots with a cache read as ``fp8`` pairs (None: not FP8): unchanged unless ``fp8``
+    and ``q`` 16-bit (``q`` may be a tuple of column groups: :func:`pair_cols`).
+
+    Then the tiles are converted to fp16 (:func:`fp8_pairs`; bf16 would take one more conversion per element),
+    and so is the query tile, after a power-of-two scale that puts its largest magnitude in ``[2**14, 2**15)``:
+    every bf16 value within 2**24 of the largest is then an fp16 value, exactly (fp16's 11 significant bits hold
+    bf16's 8), none overflows, and the scale leaves the score scale as a power of two, exactly. The probabilities
+    then meet V in fp16 too."""
+    parts = q if isinstance(q, tuple) else (q,)
+    if fp8 is None or parts[0].dtype.itemsize != 2:
+        return q, scale
+    top = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in parts])
+    exponent = jnp.where(top > 0, jnp.floor(jnp.log2(jnp.where(top > 0, top, 1.0))), 0.0)
+    shift = jnp.exp2(FP8_QUERY_TOP - exponent)  # a power of two: exact in both directions
+    parts = tuple((x.astype(jnp.float32) * shift).astype(jnp.float16) for x in parts)
+    return (parts if isinstance(q, tuple) else parts[0]), scale / shift
+
+
 def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, kv_head, *, cols: Cols,
                   block_n: int, block_size: int, num_kv_heads: int, num_pages: int, scale: float, dot,
-                  mods: masks.ScoreMods = masks.NO_MODS, slope2=None, kv_first=None):
+                  mods: masks.ScoreMods = masks.NO_MODS, slope2=None, kv_first=None, fp8: str | None = None,
+                  compiled: bool = True):
     """The per-KV-tile step shared by paged decode and ragged paged attention (``mods``: window, soft-cap and
     ALiBi on absolute positions; ``slope2 [M]`` the rows' ALiBi slopes in base 2).
 
@@ -145,21 +236,37 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
     read there) and apply ``key_pos <= query_pos`` (a full rectangle plus a bottom-right triangle), and keys on a
     page id outside the pool are never loaded and score ``-inf``. ``kv_first``: with a left window, the first key
     any row of the tile sees; masked tiles neither read the table nor load keys below it (those slots, or whole
-    pages, may be freed and hold anything).
+    pages, may be freed and hold anything). ``fp8``: the refs hold an FP8 cache as ``uint16`` pairs
+    (:func:`as_fp8_pairs`), ``cols`` their ``Dp/2`` columns and ``q`` the ``(even, odd)`` dims (:func:`pair_cols`);
+    each tile becomes its even and odd dims (:func:`fp8_pairs`, exact), the scores sum a dot of each and the state's
+    accumulator holds both; ``scale`` then carries the K scale (:func:`kv_scales`).
     """
+    dtype = (q[0] if fp8 else q).dtype
+
+    def load_kv(rows, row_mask=None):  # [N, Dp] each, or (even, odd) [N, Dp/2] pairs; in q's dtype
+        k, v = load_rows(k_ref, rows, cols, row_mask), load_rows(v_ref, rows, cols, row_mask)
+        if fp8:
+            return fp8_pairs(k, fp8, dtype, compiled), fp8_pairs(v, fp8, dtype, compiled)
+        return k, v
+
+    def qk(k):  # [M, N] raw scores
+        if fp8:
+            return dot(q[0], k[0].T) + dot(q[1], k[1].T)
+        return dot(q, k.T)
+
     def step(j, state, masked):
         k_pos = j * block_n + jnp.arange(block_n)  # [N]
         if not masked:
             rows, _ = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, num_pages,
                                  guard=False)
-            k, v = load_rows(k_ref, rows, cols), load_rows(v_ref, rows, cols)  # [N, Dp]
-            return softmax.online_softmax_step(state, mods.scores(dot(q, k.T), scale, q_pos, k_pos, slope2), v, dot)
+            k, v = load_kv(rows)
+            return softmax.online_softmax_step(state, mods.scores(qk(k), scale, q_pos, k_pos, slope2), v, dot)
         k_valid = k_pos < kv_len if kv_first is None else (k_pos < kv_len) & (k_pos >= kv_first)
         rows, page_ok = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, num_pages,
                                    k_valid)
         ok = k_valid & page_ok  # [N]
-        k, v = load_rows(k_ref, rows, cols, ok), load_rows(v_ref, rows, cols, ok)  # [N, Dp]
-        s2 = mods.scores(dot(q, k.T), scale, q_pos, k_pos, slope2)  # [M, N] base 2
+        k, v = load_kv(rows, ok)
+        s2 = mods.scores(qk(k), scale, q_pos, k_pos, slope2)  # [M, N] base 2
         # A key past the request, before every row's window or on a page outside the pool moves past every query:
         # one [M, N] compare is the whole causal, length and page mask (every valid row sits below kv_len).
         visible = jnp.where(ok, k_pos, jnp.iinfo(jnp.int32).max)[None, :] <= q_pos[:, None]

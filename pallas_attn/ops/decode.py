@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from pallas_attn.core import backend, config as config_lib, masks, validation
 from pallas_attn.kernels.triton import decode as triton_decode
@@ -19,14 +20,17 @@ _OPTIONAL_INT = functools.partial(validation.check_static_int, optional=True)
 _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
-def _validate(q, k_cache, v_cache, block_tables, seq_lens):
+def _validate(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale) -> bool:
+    """The rules of the arguments' shapes and dtypes; True for an FP8 cache."""
     validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_seqs, num_q_heads, head_dim]")
+    fp8 = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     validation.check_rank("seq_lens", seq_lens, 1, "i32[num_seqs]")
     validation.check_int32("seq_lens", seq_lens)
     validation.check_shape("seq_lens", seq_lens, (q.shape[0],), "i32[num_seqs] with num_seqs = q.shape[0]")
     if block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"block_tables must be i32[num_seqs, max_blocks] with num_seqs = q.shape[0] = "
                          f"{q.shape[0]}; got {tuple(block_tables.shape)}")
+    return fp8
 
 
 @renamed_argument("context_lens", "seq_lens")
@@ -34,20 +38,22 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens):
               statics=dict(softmax_scale=validation.check_softmax_scale, window_size=validation.check_window_size,
                            softcap=validation.check_softcap, num_splits=_OPTIONAL_INT,
                            split_size=_OPTIONAL_INT, return_lse=validation.check_static_bool,
-                           interpret=_OPTIONAL_BOOL))
+                           interpret=_OPTIONAL_BOOL),
+              scalars=dict(k_scale=validation.check_kv_scale, v_scale=validation.check_kv_scale))
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "window_size", "softcap", "num_splits", "split_size",
                                              "return_lse", "interpret", "config"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale: float | None = None,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                           sinks=None,
-                           num_splits: int | None = None, split_size: int | None = None, return_lse: bool = False,
-                           interpret: bool | None = None, config: config_lib.DecodeConfig | None = None):
+                           sinks=None, k_scale=None, v_scale=None, num_splits: int | None = None,
+                           split_size: int | None = None, return_lse: bool = False, interpret: bool | None = None,
+                           config: config_lib.DecodeConfig | None = None):
     """One query per request against its paged K/V.
 
     Args:
       q: ``[num_seqs, num_q_heads, head_dim]`` float32 / bfloat16 / float16.
       k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` page pool (block_size a power of two
-        up to 16 or a multiple of 16 up to 1024; head_dim a multiple of 8 in [16, 512]), same dtype as q.
+        up to 16 or a multiple of 16 up to 1024; head_dim a multiple of 8 in [16, 512]), q's dtype or FP8
+        (float8_e4m3fn / float8_e5m2, both the same, with ``k_scale`` and ``v_scale``).
       block_tables: ``i32[num_seqs, max_blocks]``; entry ``[b, i]`` is the physical page of request b's logical
         page i. Entries past a request's last page may hold anything (-1 included): they are never read.
       seq_lens: ``i32[num_seqs]`` keys each query sees, its own included (as :func:`pallas_attn.paged_attention`'s
@@ -57,6 +63,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
       window_size, softcap, alibi_slopes, sinks: as :func:`pallas_attn.varlen_attention`, on absolute positions
         (the query sits at ``seq_lens[b] - 1``). With a left window only its keys are read and split, and pages
         wholly before it may already be freed (their table entries are never read).
+      k_scale, v_scale: with an FP8 cache only (required there): float32 scalars (Python floats or ``[]``
+        arrays, traced or not: a new value does not recompile), finite and positive; the cache holds ``value /
+        scale`` (:func:`pallas_attn.write_kv_cache`). Dequantised inside the kernel: K's scale joins the softmax
+        scale, V's multiplies the output.
       num_splits: split-KV segments per request (static Python int >= 1). None: heuristic from num_seqs ×
         num_kv_heads, the table's capacity ``max_blocks * block_size`` and the SM count; 1: single pass, no merge.
       split_size: fixed segment length in tokens (multiple of ``config.block_n``) instead of a count: outputs are
@@ -74,7 +84,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
     Example:
       >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
     """
-    _validate(q, k_cache, v_cache, block_tables, seq_lens)
+    fp8 = _validate(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
     for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None:
             validation.check_head_vector(name, x, q.shape[1])
@@ -92,6 +102,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
     run = functools.partial(triton_decode.paged_decode_triton, scale=float(scale), num_splits=splits,
                             split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg,
                             mods=mods)
+    kv_scales = jnp.stack([k_scale, v_scale]).astype(jnp.float32) if fp8 else None
     out, lse = common.no_backward("paged_decode_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,
-                                                                 alibi_slopes, sinks)
+                                                                 alibi_slopes, sinks, kv_scales)
     return (out, lse) if return_lse else out

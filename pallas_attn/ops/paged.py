@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_attn.core import backend, config as config_lib, masks, metadata, validation
@@ -19,14 +20,17 @@ _OPTIONAL_INT = functools.partial(validation.check_static_int, optional=True)
 _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
-def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens):
+def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scale, v_scale) -> bool:
+    """The rules of the arguments' shapes and dtypes; True for an FP8 cache."""
     validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_tokens, num_q_heads, head_dim]")
+    fp8 = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     num_seqs = block_tables.shape[0]
     validation.check_int32("seq_lens", seq_lens)
     validation.check_shape("seq_lens", seq_lens, (num_seqs,), "i32[num_seqs] with num_seqs = block_tables.shape[0]")
     validation.check_int32("cu_query_lens", cu_query_lens)
     validation.check_shape("cu_query_lens", cu_query_lens, (num_seqs + 1,),
                            "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
+    return fp8
 
 
 @common.front(arrays=("q", "k_cache", "v_cache", "alibi_slopes", "sinks"),
@@ -34,13 +38,14 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens):
               statics=dict(max_query_len=validation.check_static_int, softmax_scale=validation.check_softmax_scale,
                            window_size=validation.check_window_size, softcap=validation.check_softcap,
                            num_splits=_OPTIONAL_INT, split_size=_OPTIONAL_INT,
-                           return_lse=validation.check_static_bool, interpret=_OPTIONAL_BOOL))
+                           return_lse=validation.check_static_bool, interpret=_OPTIONAL_BOOL),
+              scalars=dict(k_scale=validation.check_kv_scale, v_scale=validation.check_kv_scale))
 @functools.partial(jax.jit, static_argnames=("max_query_len", "softmax_scale", "window_size", "softcap", "num_splits",
                                              "split_size", "return_lse", "interpret", "config", "chunk_config"))
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len: int,
                     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    alibi_slopes=None, sinks=None, num_splits: int | None = None, split_size: int | None = None,
-                    return_lse: bool = False, interpret: bool | None = None,
+                    alibi_slopes=None, sinks=None, k_scale=None, v_scale=None, num_splits: int | None = None,
+                    split_size: int | None = None, return_lse: bool = False, interpret: bool | None = None,
                     config: config_lib.DecodeConfig | None = None, chunk_config: config_lib.DecodeConfig | None = None):
     """Mixed batch of decode / verification / chunked-prefill / prefill requests over a paged K/V cache.
 
@@ -48,7 +53,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       q: ``[num_tokens, num_q_heads, head_dim]`` packed new tokens; rows at or past ``cu_query_lens[-1]`` are
         padding (output 0, LSE -inf).
       k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the new tokens' K/V are already written
-        (see :func:`pallas_attn.write_kv_cache`). Pages and head dims as :func:`pallas_attn.paged_decode_attention`.
+        (see :func:`pallas_attn.write_kv_cache`). Pages, head dims and FP8 caches as
+        :func:`pallas_attn.paged_decode_attention`.
       block_tables: ``i32[num_seqs, max_blocks]``; entries past a request's last page are never read.
       seq_lens: ``i32[num_seqs]`` keys of each request, its new tokens included.
       cu_query_lens: ``i32[num_seqs + 1]`` cumulative new-token counts (``q_len`` may be 0).
@@ -58,6 +64,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         (query ``i`` of a request sits at ``seq_lens[b] - q_len + i``). With a left window a query block reads and
         splits only its window's keys, and pages wholly before its first query's window may already be freed
         (their table entries are never read). Sinks are applied once per row, after any split-KV merge.
+      k_scale, v_scale: an FP8 cache's scales, as :func:`pallas_attn.paged_decode_attention`.
       num_splits / split_size: split-KV as in :func:`pallas_attn.paged_decode_attention`, for any ``q_len``.
       return_lse: also return ``f32[num_tokens, num_q_heads]``.
       interpret: None → compiled on GPU, interpreted on CPU.
@@ -77,7 +84,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       >>> out = paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_query_lens,
       ...                       max_query_len=md.max_query_len)
     """
-    _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens)
+    fp8 = _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scale, v_scale)
     for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None:
             validation.check_head_vector(name, x, q.shape[1])
@@ -116,6 +123,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     run = functools.partial(triton_paged.ragged_paged_triton, max_query_len=max_query_len, scale=float(scale),
                             num_splits=splits, split_size=split_size, interpret=backend.resolve_interpret(interpret),
                             cfg=cfg, chunk_cfg=chunk_cfg, short_splits=short_splits, mods=mods)
+    kv_scales = jnp.stack([k_scale, v_scale]).astype(jnp.float32) if fp8 else None
     out, lse = common.no_backward("paged_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,
-                                                          cu_query_lens, alibi_slopes, sinks)
+                                                          cu_query_lens, alibi_slopes, sinks, kv_scales)
     return (out, lse) if return_lse else out

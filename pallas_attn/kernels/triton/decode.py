@@ -36,24 +36,31 @@ def _decode_kernel(
     q_ref,  # [num_seqs * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
-    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says); outputs o, lse:
+    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), [kv_scales f32[2]: FP8 k_scale, v_scale];
+    #         outputs o, lse:
     #         o [num_seqs * Hq, Dp] (single pass, q dtype) or [num_splits * num_seqs * Hq, Dp] (f32 partials),
     #         lse f32[num_seqs * Hq] or f32[num_splits * num_seqs * Hq]
     num_q_heads: int, num_kv_heads: int, head_dim: int, rows: int, max_blocks: int, block_size: int,
     block_n: int, num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, precision,
+    kv_scaled: bool, fp8: str | None, compiled: bool,
 ):
     refs = list(refs)
     slopes_ref = refs.pop(0) if mods.alibi else None
     sinks_ref = refs.pop(0) if mods.sinks else None
+    scale, v_scale = tiles.kv_scales(refs.pop(0) if kv_scaled else None, scale)
     o_ref, lse_ref = refs
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = num_q_heads // num_kv_heads
     num_seqs = pl.num_programs(0)
-    cols = tiles.Cols(head_dim, q_ref.shape[-1])
+    padded = q_ref.shape[-1]
+    # q / out columns; an FP8 cache's pages are uint16 pairs of dims, half as wide (tiles.as_fp8_pairs)
+    cols = tiles.pair_cols(head_dim, padded) if fp8 else tiles.Cols(head_dim, padded)
+    kv_cols = tiles.Cols(head_dim // 2, padded // 2) if fp8 else cols
     r = jnp.arange(rows)
     row_valid = r < group  # padding rows of the group compute on zeros and are never stored
     q_rows = b * num_q_heads + kv_head * group + r  # rows past the group are masked, but distinct
-    q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [rows, Dp]
+    q = tiles.load_parts(q_ref, q_rows, cols, row_valid)  # [rows, Dp] (FP8: even and odd dims)
+    q, scale = tiles.query_for_cache(q, fp8, scale)
     ctx = jnp.clip(seq_lens_ref[b], 0, max_blocks * block_size)  # a length past the table reads nothing more
     q_pos = jnp.full((rows,), ctx - 1)  # the query is the last position: every key is visible
 
@@ -66,28 +73,31 @@ def _decode_kernel(
     tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
         ctx - 1, ctx - 1, ctx, block_n, split, num_splits, split_size, mods, guarded=guarded)
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
-    step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, b * max_blocks, ctx, kv_head, cols=cols,
+    step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, b * max_blocks, ctx, kv_head, cols=kv_cols,
                                block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
                                num_pages=num_pages, scale=scale, dot=dot, mods=mods,
                                slope2=tiles.load_vector(slopes_ref, q_rows % num_q_heads, row_valid) * softmax.LOG2E
                                if mods.alibi else None,
-                               kv_first=kv_first)
-    state = softmax.kv_loop(softmax.init_state(rows, q_ref.shape[-1]), tile_start, full_end, kv_end, step,
-                            full_start)
+                               kv_first=kv_first, fp8=fp8, compiled=compiled)
+    state = softmax.kv_loop(softmax.init_state(rows, padded // 2 if fp8 else padded, 2 if fp8 else 1), tile_start,
+                            full_end, kv_end, step, full_start)
     # an empty split (or context 0) gives 0 and -inf; split partials leave the sink to the merge
     sink2 = (tiles.load_vector(sinks_ref, q_rows % num_q_heads, row_valid) * softmax.LOG2E
              if mods.sinks and num_splits == 1 else None)
     out, lse = softmax.finalize(state, sink2)
+    if v_scale is not None:
+        out = jax.tree.map(lambda o: o * v_scale, out)
     out_rows = split * num_seqs * num_q_heads + q_rows
-    tiles.store_rows(o_ref, out_rows, cols, out, row_valid)
+    tiles.store_parts(o_ref, out_rows, cols, out, row_valid)
     tiles.store_vector(lse_ref, out_rows, lse, row_valid)
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes=None, sinks=None, *, scale,
-                        num_splits, split_size, interpret, cfg: config_lib.DecodeConfig,
+def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes=None, sinks=None, kv_scales=None,
+                        *, scale, num_splits, split_size, interpret, cfg: config_lib.DecodeConfig,
                         mods: masks.ScoreMods = masks.NO_MODS):
-    """``(out [num_seqs, Hq, D], lse)``; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says."""
+    """``(out [num_seqs, Hq, D], lse)``; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says;
+    ``kv_scales f32[2]`` (``k_scale, v_scale``) with an FP8 cache, dequantised in the kernel."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
@@ -97,25 +107,32 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, alibi_slope
     partial = num_splits > 1
     out_rows = (num_splits if partial else 1) * num_seqs * num_q_heads
     cache_rows = num_blocks * block_size * num_kv_heads
+    fp8 = tiles.fp8_format(k_cache.dtype)
+    kv_width = padded // 2 if fp8 else padded
+    if fp8:
+        k_cache, v_cache = tiles.as_fp8_pairs(k_cache), tiles.as_fp8_pairs(v_cache)
 
-    full = lambda n: pl.BlockSpec((n, padded), lambda *_: (0, 0))
+    full = lambda n, w=padded: pl.BlockSpec((n, w), lambda *_: (0, 0))
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))
     kernel = functools.partial(
         _decode_kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rows=rows,
         max_blocks=max_blocks, block_size=block_size, block_n=cfg.block_n, num_splits=num_splits,
-        split_size=split_size, scale=scale, mods=mods, precision=tiles.dot_precision(q.dtype))
+        split_size=split_size, scale=scale, mods=mods, precision=tiles.dot_precision(q.dtype),
+        kv_scaled=kv_scales is not None, fp8=fp8, compiled=not interpret)
     features = [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None]
+    scales = [] if kv_scales is None else [kv_scales.astype(jnp.float32)]
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=[vec(num_seqs), vec(num_seqs * max_blocks), full(num_seqs * num_q_heads),
-                  full(cache_rows), full(cache_rows)] + [vec(num_q_heads)] * len(features),
+                  full(cache_rows, kv_width), full(cache_rows, kv_width)]
+                 + [vec(num_q_heads)] * len(features) + [vec(2)] * len(scales),
         out_specs=[full(out_rows), vec(out_rows)],
         out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
                    jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"paged_decode_d{head_dim}_bs{block_size}" + ("_split" if partial else ""),
-    )(seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(-1, head_dim),
-      v_cache.reshape(-1, head_dim), *features)
+    )(seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim), k_cache.reshape(cache_rows, -1),
+      v_cache.reshape(cache_rows, -1), *features, *scales)
     return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype, sinks if num_splits > 1 else None)

@@ -122,11 +122,12 @@ def _ragged_kernel(
     q_ref,  # [T * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
-    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), [merge inputs],
+    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), [kv_scales f32[2]: FP8], [merge inputs],
     #         [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o, lse
     zero_padding: bool, compact: bool, merge: tuple | None, num_seqs: int, num_tokens: int, num_q_heads: int,
     num_kv_heads: int, head_dim: int, group_padded: int, block_q: int, max_blocks: int, block_size: int,
     block_n: int, num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, precision,
+    kv_scaled: bool, fp8: str | None, compiled: bool,
 ):
     """``compact``: write f32 partial states tile by tile into ``[num_splits, num_q_blocks, Hkv, M, Dp]`` (a later
     launch merges them) instead of token rows. ``merge = (merge_blocks, merge_block_q, merge_splits)``: program
@@ -138,11 +139,16 @@ def _ragged_kernel(
     refs = list(refs)
     slopes_ref = refs.pop(0) if mods.alibi else None
     sinks_ref = refs.pop(0) if mods.sinks else None
+    scale, v_scale = tiles.kv_scales(refs.pop(0) if kv_scaled else None, scale)
     o_ref, lse_ref = refs[-2:]  # [T * Hq, Dp] or [num_splits * T * Hq, Dp] (f32 partials); f32[...] LSE
     p, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_q_blocks = block_req_ref.shape[0]
     group = num_q_heads // num_kv_heads
-    cols = tiles.Cols(head_dim, q_ref.shape[-1])
+    padded = q_ref.shape[-1]
+    cols = tiles.Cols(head_dim, padded)  # output rows: merges and zeroed padding
+    # q / attention output columns; an FP8 cache's pages are uint16 pairs of dims (tiles.as_fp8_pairs)
+    q_cols = tiles.pair_cols(head_dim, padded) if fp8 else cols
+    kv_cols = tiles.Cols(head_dim // 2, padded // 2) if fp8 else cols
     r = jnp.arange(block_q * group_padded)
     tok_in_block = r // group_padded
     g = r % group_padded
@@ -169,7 +175,8 @@ def _ragged_kernel(
         tok = first + tok_in_block  # [M] request-local query index
         row_valid = (tok < q_len) & (g < group)
         q_rows = jnp.where(row_valid, (q_start + tok) * num_q_heads + kv_head * group + g, oob)
-        q = tiles.load_rows(q_ref, q_rows, cols, row_valid)  # [M, Dp]
+        q = tiles.load_parts(q_ref, q_rows, q_cols, row_valid)  # [M, Dp] (FP8: even and odd dims)
+        q, score_scale = tiles.query_for_cache(q, fp8, scale)
         q_pos = context + tok  # absolute positions: the rectangle + triangle of verification
         q_last = context + jnp.minimum(first + block_q, q_len) - 1
         num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
@@ -182,21 +189,23 @@ def _ragged_kernel(
             context + first, q_last, seq_len, block_n, split, num_splits, split_size, mods, guarded=guarded)
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
         step = tiles.paged_kv_step(q, q_pos, k_ref, v_ref, block_tables_ref, req * max_blocks, seq_len, kv_head,
-                                   cols=cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
-                                   num_pages=num_pages, scale=scale, dot=dot, mods=mods,
+                                   cols=kv_cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
+                                   num_pages=num_pages, scale=score_scale, dot=dot, mods=mods,
                                    slope2=head_vector(slopes_ref) if mods.alibi else None,
-                                   kv_first=kv_first)
-        state = softmax.kv_loop(softmax.init_state(r.shape[0], q_ref.shape[-1]), tile_start, full_end, kv_end, step,
-                                full_start)
+                                   kv_first=kv_first, fp8=fp8, compiled=compiled)
+        state = softmax.kv_loop(softmax.init_state(r.shape[0], padded // 2 if fp8 else padded, 2 if fp8 else 1),
+                                tile_start, full_end, kv_end, step, full_start)
         # split partials (compact or not) leave the sink to their merge
         sink2 = head_vector(sinks_ref) if mods.sinks and num_splits == 1 else None
         out, lse = softmax.finalize(state, sink2)
+        if v_scale is not None:  # before any merge: merging is linear in the outputs
+            out = jax.tree.map(lambda o: o * v_scale, out)
         if compact:  # the whole tile, invalid rows included: the merge reads only valid ones
             rows = ((split * num_q_blocks + p) * num_kv_heads + kv_head) * r.shape[0] + r
-            tiles.store_rows(o_ref, rows, cols, out)
+            tiles.store_parts(o_ref, rows, q_cols, out)
             tiles.store_vector(lse_ref, rows, lse)
         else:
-            tiles.store_rows(o_ref, out_base + q_rows, cols, out, row_valid)
+            tiles.store_parts(o_ref, out_base + q_rows, q_cols, out, row_valid)
             tiles.store_vector(lse_ref, out_base + q_rows, lse, row_valid)
 
     if not zero_padding:  # a later pass: the first one zeroed the padding rows
@@ -254,7 +263,8 @@ def _merge_partials(i, kv_head, cu_query_lens_ref, block_req_ref, block_first_re
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes=None, sinks=None, *,
+def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes=None, sinks=None,
+                        kv_scales=None, *,
                         max_query_len, scale, num_splits, split_size, interpret, cfg: config_lib.DecodeConfig,
                         chunk_cfg: config_lib.DecodeConfig, short_splits: tuple[int, int | None] | None = None,
                         short_rows: int = SHORT_TILE_ROWS, mods: masks.ScoreMods = masks.NO_MODS):
@@ -266,13 +276,17 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
     ``short_splits = (num_splits, split_size)`` (two launches, the chunks unsplit: ``num_splits == 1``) splits the
     short queries' launch on its own: it writes compact partial states and the chunk launch's programs merge them
     into the output rows, so the chunk rows never go through a split buffer or the merge. ``alibi_slopes`` /
-    ``sinks`` ``f32[Hq]`` exactly when ``mods`` says."""
+    ``sinks`` ``f32[Hq]`` exactly when ``mods`` says; ``kv_scales f32[2]`` (``k_scale, v_scale``) with an FP8 cache."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
     group_padded = config_lib.next_pow2(num_q_heads // num_kv_heads)
     padded = config_lib.next_pow2(head_dim)
     cache_rows = num_blocks * block_size * num_kv_heads
+    fp8 = tiles.fp8_format(k_cache.dtype)
+    kv_width = padded // 2 if fp8 else padded
+    if fp8:
+        k_cache, v_cache = tiles.as_fp8_pairs(k_cache), tiles.as_fp8_pairs(v_cache)
     # pass: (block_q, num_q_blocks, query class, config, (num_splits, split_size), compact partial output)
     if not two_launches(max_query_len, cfg):
         block_q = query_block_tokens(max_query_len, group_padded, cfg.block_q)
@@ -290,8 +304,10 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
     full = lambda n, w=padded: pl.BlockSpec((n, w), lambda *_: (0, 0))  # noqa: E731
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))  # noqa: E731
     features = [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None]
+    if kv_scales is not None:
+        features.append(kv_scales.astype(jnp.float32))
     args = (cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim),
-            k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim), *features)
+            k_cache.reshape(cache_rows, -1), v_cache.reshape(cache_rows, -1), *features)
     prev, merge_in = (), None  # the last launch's token-row outputs; compact partials awaiting their merge
     for block_q, num_q_blocks, query_class, pass_cfg, (splits, size), compact in passes:
         rows_per_tile = block_q * group_padded
@@ -300,8 +316,9 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
         block_req, block_first = _query_blocks(cu_query_lens, block_q, num_q_blocks, query_class)
         merge = None
         in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs),
-                    vec(num_seqs * max_blocks), full(num_tokens * num_q_heads), full(cache_rows), full(cache_rows)]
-        in_specs += [vec(num_q_heads)] * len(features)
+                    vec(num_seqs * max_blocks), full(num_tokens * num_q_heads), full(cache_rows, kv_width),
+                    full(cache_rows, kv_width)]
+        in_specs += [vec(f.shape[0]) for f in features]
         extra = []
         if merge_in is not None:
             m_req, m_first, m_o, m_lse, merge = merge_in
@@ -314,7 +331,8 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
             num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             group_padded=group_padded, block_q=block_q, max_blocks=max_blocks, block_size=block_size,
             block_n=pass_cfg.block_n, num_splits=splits, split_size=size, scale=scale, mods=mods,
-            precision=tiles.dot_precision(q.dtype))
+            precision=tiles.dot_precision(q.dtype), kv_scaled=kv_scales is not None, fp8=fp8,
+            compiled=not interpret)
         outs = pl.pallas_call(
             kernel,
             grid=(max(num_q_blocks, merge[0] if merge else 0), num_kv_heads, splits),
