@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.workloads import FEATURE_KWARGS, Batch, Draw, Spec
+from benchmarks.workloads import FEATURE_KWARGS, FP8_KWARGS, Batch, Draw, Spec
 
 OURS = "pallas_attn"
 
@@ -95,7 +95,7 @@ def takes(function_name: str) -> Callable[[Spec], frozenset[str]]:
     def features(spec: Spec) -> frozenset[str]:
         import pallas_attn
         params = inspect.signature(getattr(pallas_attn, function_name)).parameters
-        return frozenset(k for k in FEATURE_KWARGS if k in params)
+        return frozenset(k for k in (*FEATURE_KWARGS, *FP8_KWARGS) if k in params)
 
     return features
 

@@ -223,7 +223,7 @@ def twin_of(spec: wl.Spec, impl, name: str) -> dict | None:
 
 def feature_fields(spec: wl.Spec) -> dict:
     """The model-family features of the call, for the row: ``{"features": {"window_size": [127, 0], ...}}``."""
-    kw = spec.feature_kwargs({"alibi_slopes": True, "sinks": True})
+    kw = spec.feature_kwargs({"alibi_slopes": True, "sinks": True, "k_scale": spec.kv_dtype, "v_scale": spec.kv_dtype})
     return {"features": kw} if kw else {}
 
 

@@ -78,6 +78,8 @@ class Spec:
     ``sinks`` / ``alibi``: pass f32[num_q_heads] sinks / ALiBi slopes, drawn by :func:`build_arrays`.
     twin: the id of the workload whose row of the same implementation and unit divides this one's metric
     (``ratio_to_twin``); the harness runs the twin whenever this workload runs.
+    kv_dtype: the paged cache's dtype when it is not ``dtype``: an FP8 format (``float8_e4m3fn``), drawn as the
+    same normal values quantised with :data:`FP8_KV_SCALE` and passed with ``k_scale`` / ``v_scale``.
     causal: prefill only; False is a bidirectional (encoder) prefill, every query seeing its whole request.
     """
     id: str
@@ -100,23 +102,29 @@ class Spec:
     alibi: bool = False
     twin: str = ""
     causal: bool = True
+    kv_dtype: str = ""
 
     @property
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
 
     @property
+    def kv_jnp_dtype(self):
+        """The dtype of K and V (the paged cache's: ``kv_dtype``, else ``dtype``)."""
+        return jnp.dtype(self.kv_dtype or self.dtype)
+
+    @property
     def features(self) -> frozenset[str]:
         """The model-family features in use, by keyword of the public functions (:data:`FEATURE_KWARGS`)."""
         used = {"window_size": self.window_size != (-1, -1), "softcap": bool(self.softcap),
-                "alibi_slopes": self.alibi, "sinks": self.sinks}
+                "alibi_slopes": self.alibi, "sinks": self.sinks, **dict.fromkeys(FP8_KWARGS, bool(self.kv_dtype))}
         return frozenset(k for k, on in used.items() if on)
 
     def feature_kwargs(self, arrays: dict) -> dict:
         """The keyword arguments of the features in use, for a kernel or a reference call (``arrays`` from
         :func:`build_arrays` holds the sinks and slopes); an empty dict for a workload without features."""
         values = {"window_size": self.window_size, "softcap": float(self.softcap),
-                  "alibi_slopes": arrays.get("alibi_slopes"), "sinks": arrays.get("sinks")}
+                  **{k: arrays.get(k) for k in ("alibi_slopes", "sinks", *FP8_KWARGS)}}
         return {k: values[k] for k in sorted(self.features)}
 
     @property
@@ -127,6 +135,8 @@ class Spec:
 # The model-family keywords of varlen_attention, paged_decode_attention and paged_attention, and the Spec field
 # (or --variant key) that sets each.
 FEATURE_KWARGS = {"window_size": "window_size", "softcap": "softcap", "alibi_slopes": "alibi", "sinks": "sinks"}
+FP8_KWARGS = ("k_scale", "v_scale")  # the paged functions' scales of an FP8 cache (Spec.kv_dtype)
+FP8_KV_SCALE = 1 / 64  # normal K and V of |x| < 7 stored under 448, e4m3's largest finite value
 
 
 def _gpt_oss_decode(ctx: int, window: int, batch: int, shapes: dict) -> tuple[Spec, Spec]:
@@ -300,8 +310,16 @@ def model_grid_specs(tiny: bool = False) -> list[Spec]:
     return specs
 
 
+def fp8_specs(tiny: bool = False) -> list[Spec]:
+    """D1, D2 and V1 over an e4m3 cache (``D1-fp8``...; each runs with its bf16 twin): ``median_ms`` over the
+    twin's is the time an FP8 cache takes, and GB/s counts the FP8 bytes. ``python -m benchmarks.run --family fp8``."""
+    table = TINY_WORKLOADS if tiny else WORKLOADS
+    return [dataclasses.replace(table[w], id=f"{w}-fp8", what=f"{table[w].what}, e4m3 cache", kv_dtype="float8_e4m3fn",
+                                twin=w, family="fp8") for w in ("D1", "D2", "V1")]
+
+
 FAMILIES = {"split": split_sweep_specs, "prefill-rule": prefill_rule_specs, "sparse-shapes": sparse_shape_specs,
-            "models": model_grid_specs}
+            "models": model_grid_specs, "fp8": fp8_specs}
 
 
 def family_specs(names, tiny: bool = False) -> list[Spec]:
@@ -394,7 +412,7 @@ class HostBatch:
         item = s.jnp_dtype.itemsize
         if s.kind == "sparse":
             return float(int(np.sum(self.topk_indices >= 0)) * s.head_dim * item)
-        kv = int(np.sum(self.keys_read())) * s.num_kv_heads * s.head_dim * 2 * item
+        kv = int(np.sum(self.keys_read())) * s.num_kv_heads * s.head_dim * 2 * s.kv_jnp_dtype.itemsize
         q_out = 2 * self.num_tokens * s.num_q_heads * s.head_dim * item
         return float(kv + q_out)
 
@@ -418,7 +436,7 @@ class HostBatch:
         pages = self.num_pages
         if touched and s.window_left >= 0:  # the pages of each request's keys_read, a window straddling one more
             pages = int(np.sum(np.minimum(-(-self.seq_lens // s.block_size), -(-self.keys_read() // s.block_size) + 1)))
-        return q + 2 * pages * s.block_size * s.num_kv_heads * s.head_dim * item
+        return q + 2 * pages * s.block_size * s.num_kv_heads * s.head_dim * s.kv_jnp_dtype.itemsize
 
 
 def _keys_before(n: np.ndarray, left: int) -> np.ndarray:
@@ -535,8 +553,16 @@ def build_arrays(host: HostBatch, key: jax.Array) -> Batch:
     elif s.kind in ("decode", "ragged"):
         cache_shape = (host.num_pages, s.block_size, s.num_kv_heads, s.head_dim)
         arrays["q"] = normal(kq, (T, s.num_q_heads, s.head_dim))
-        arrays["k_cache"] = normal(kk, cache_shape)
-        arrays["v_cache"] = normal(kv, cache_shape)
+        if s.kv_dtype:  # what write_kv_cache stores for the same normal values
+            from pallas_attn import reference
+            scale = jnp.float32(FP8_KV_SCALE)
+            for name, k in (("k", kk), ("v", kv)):
+                draw = jax.random.normal(k, cache_shape, jnp.float32)
+                arrays[f"{name}_cache"] = reference.quantize_kv(draw, scale, s.kv_jnp_dtype)
+                arrays[f"{name}_scale"] = scale
+        else:
+            arrays["k_cache"] = normal(kk, cache_shape)
+            arrays["v_cache"] = normal(kv, cache_shape)
         arrays["block_tables"] = jnp.asarray(host.block_tables)
         if s.kind == "decode":
             arrays["context_lens"] = jnp.asarray(host.seq_lens, jnp.int32)
