@@ -103,6 +103,7 @@ class Spec:
     twin: str = ""
     causal: bool = True
     kv_dtype: str = ""
+    kv_scale_mode: str = "tensor"  # with kv_dtype: "token" for per-(token, head) scale caches
 
     @property
     def jnp_dtype(self):
@@ -311,11 +312,14 @@ def model_grid_specs(tiny: bool = False) -> list[Spec]:
 
 
 def fp8_specs(tiny: bool = False) -> list[Spec]:
-    """D1, D2 and V1 over an e4m3 cache (``D1-fp8``...; each runs with its bf16 twin): ``median_ms`` over the
-    twin's is the time an FP8 cache takes, and GB/s counts the FP8 bytes. ``python -m benchmarks.run --family fp8``."""
+    """D1, D2 and V1 over an e4m3 cache with per-tensor scales (``D1-fp8``...) and with per-(token, head) scale
+    caches (``D1-fp8-token``...), each beside its bf16 twin: ``median_ms`` over the twin's is the time an FP8 cache
+    takes, and GB/s counts the FP8 bytes (and the scales read). ``python -m benchmarks.run --family fp8``."""
     table = TINY_WORKLOADS if tiny else WORKLOADS
-    return [dataclasses.replace(table[w], id=f"{w}-fp8", what=f"{table[w].what}, e4m3 cache", kv_dtype="float8_e4m3fn",
-                                twin=w, family="fp8") for w in ("D1", "D2", "V1")]
+    return [dataclasses.replace(table[w], id=f"{w}-fp8{suffix}", what=f"{table[w].what}, e4m3 cache{what}",
+                                kv_dtype="float8_e4m3fn", kv_scale_mode=mode, twin=w, family="fp8")
+            for suffix, what, mode in (("", "", "tensor"), ("-token", ", per-token scales", "token"))
+            for w in ("D1", "D2", "V1")]
 
 
 FAMILIES = {"split": split_sweep_specs, "prefill-rule": prefill_rule_specs, "sparse-shapes": sparse_shape_specs,
@@ -412,7 +416,9 @@ class HostBatch:
         item = s.jnp_dtype.itemsize
         if s.kind == "sparse":
             return float(int(np.sum(self.topk_indices >= 0)) * s.head_dim * item)
-        kv = int(np.sum(self.keys_read())) * s.num_kv_heads * s.head_dim * 2 * s.kv_jnp_dtype.itemsize
+        # a key's row per head, K and V, and with per-(token, head) scales their float32 scale each
+        row = s.head_dim * s.kv_jnp_dtype.itemsize + (4 if s.kv_dtype and s.kv_scale_mode == "token" else 0)
+        kv = int(np.sum(self.keys_read())) * s.num_kv_heads * 2 * row
         q_out = 2 * self.num_tokens * s.num_q_heads * s.head_dim * item
         return float(kv + q_out)
 
@@ -436,7 +442,8 @@ class HostBatch:
         pages = self.num_pages
         if touched and s.window_left >= 0:  # the pages of each request's keys_read, a window straddling one more
             pages = int(np.sum(np.minimum(-(-self.seq_lens // s.block_size), -(-self.keys_read() // s.block_size) + 1)))
-        return q + 2 * pages * s.block_size * s.num_kv_heads * s.head_dim * s.kv_jnp_dtype.itemsize
+        row = s.head_dim * s.kv_jnp_dtype.itemsize + (4 if s.kv_dtype and s.kv_scale_mode == "token" else 0)
+        return q + 2 * pages * s.block_size * s.num_kv_heads * row
 
 
 def _keys_before(n: np.ndarray, left: int) -> np.ndarray:
@@ -555,9 +562,10 @@ def build_arrays(host: HostBatch, key: jax.Array) -> Batch:
         arrays["q"] = normal(kq, (T, s.num_q_heads, s.head_dim))
         if s.kv_dtype:  # what write_kv_cache stores for the same normal values
             from pallas_attn import reference
-            scale = jnp.float32(FP8_KV_SCALE)
             for name, k in (("k", kk), ("v", kv)):
                 draw = jax.random.normal(k, cache_shape, jnp.float32)
+                scale = (reference.kv_scales_per_token_head(draw, s.kv_jnp_dtype) if s.kv_scale_mode == "token"
+                         else jnp.float32(FP8_KV_SCALE))
                 arrays[f"{name}_cache"] = reference.quantize_kv(draw, scale, s.kv_jnp_dtype)
                 arrays[f"{name}_scale"] = scale
         else:

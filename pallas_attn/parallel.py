@@ -202,6 +202,7 @@ def cross_device_merge(out, lse, axis: str, *, merge: str = "all_gather"):
 
 
 _OPTIONAL_INT = functools.partial(validation.check_static_int, optional=True)
+_DEVICE_SCALE = functools.partial(validation.check_kv_scale, cache_rank=5)  # scale caches: [devices, pages, ...]
 _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
@@ -264,7 +265,7 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens=None, *,
                            num_splits=_OPTIONAL_INT,
                            split_size=_OPTIONAL_INT, return_lse=validation.check_static_bool,
                            interpret=_OPTIONAL_BOOL),
-              scalars=dict(k_scale=validation.check_kv_scale, v_scale=validation.check_kv_scale))
+              scalars=dict(k_scale=_DEVICE_SCALE, v_scale=_DEVICE_SCALE))
 @functools.partial(jax.jit, static_argnames=("mesh", "axis", "merge", "softmax_scale", "softcap", "num_splits",
                                              "split_size", "return_lse", "interpret", "config"))
 def _context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, sinks=None, k_scale=None, v_scale=None, *,
@@ -284,17 +285,19 @@ def _context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens, sinks=
                                num_splits=num_splits, split_size=split_size, return_lse=True, interpret=interpret,
                                config=config)
 
-    fp8 = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    scales = (k_scale, v_scale) if fp8 else ()
+    mode = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    scales = (k_scale, v_scale) if mode else ()
 
     def local(q, kc, vc, bt, lens, *scales):
         kv_scales = dict(zip(("k_scale", "v_scale"), scales))  # empty without FP8
+        if mode == "token":  # scale caches: this device's pages, as the caches
+            kv_scales = {name: x[0] for name, x in kv_scales.items()}
         out, lse = kernel(q, kc[0], vc[0], bt[0], lens[0], **kv_scales)  # this device's slice: a partial state
         merged, m_lse = cross_device_merge(out, lse, axis, merge=merge)
         return merged.astype(q.dtype), m_lse
 
     shard = P(axis)
-    in_specs = (P(), shard, shard, shard, shard) + (P(),) * len(scales)
+    in_specs = (P(), shard, shard, shard, shard) + ((shard,) * 2 if mode == "token" else (P(),) * len(scales))
     args = _placed(mesh, axis, (q, k_cache, v_cache, block_tables, seq_lens, *scales), in_specs)
     out, lse = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), check_vma=False)(*args)
     if sinks is not None:  # once, on the merged state

@@ -11,7 +11,9 @@ plain indexing, masks from absolute positions. They read lengths and page tables
     paged_attention         ragged queries over a paged KV cache (decode, verification, chunked/fresh prefill)
     sparse_mla_attention    top-k sparse attention over a shared MLA latent cache (576 = 512 + 64)
     merge_attention_states  split-KV merge of (out, lse) states; pure jnp
-    quantize_kv, dequantize_kv  what an FP8 paged cache stores for a value and reads back (per-tensor scale)
+    quantize_kv, dequantize_kv  what an FP8 paged cache stores for a value and reads back (per-tensor scale,
+                            or per token and head)
+    kv_scales_per_token_head  the per-(token, head) scales write_kv_cache computes
 
 Shape glossary: T num_tokens, B num_seqs, Hq num_q_heads, Hkv num_kv_heads, D head_dim, block_size,
 max_blocks, topk, S num_splits.
@@ -20,6 +22,7 @@ max_blocks, topk, S num_splits.
 from .attention import (
     FP8_DTYPES,
     dequantize_kv,
+    kv_scales_per_token_head,
     merge_attention_states,
     paged_attention,
     paged_decode_attention,
@@ -31,6 +34,7 @@ from .attention import (
 __all__ = [
     "FP8_DTYPES",
     "dequantize_kv",
+    "kv_scales_per_token_head",
     "merge_attention_states",
     "paged_attention",
     "paged_decode_attention",

@@ -27,10 +27,11 @@ Model-family features (docs/design.md#model-family-features), keyword arguments 
     out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink_h)). The LSE stays over the keys only, so that split
     states still merge; `merge_attention_states(..., sinks=)` applies the sink once, to the merged state.
     A row that sees no key still gives 0 and -inf: a sink alone does not make a row.
-FP8 KV caches (vLLM's per-tensor mode): a paged cache of dtype float8_e4m3fn or float8_e5m2 holds
-`stored = value / scale` rounded to the format (`quantize_kv`: saturated to its finite range, NaN stays NaN) and
-reads as `stored * scale` (`dequantize_kv`); the paged oracles take `k_scale=` and `v_scale=` (positive float32
-scalars) with such a cache and attend over the dequantised cache in float32: that is the definition.
+FP8 KV caches (vLLM's per-tensor and per_token_head modes): a paged cache of dtype float8_e4m3fn or float8_e5m2
+holds `stored = value / scale` rounded to the format (`quantize_kv`: saturated to its finite range, NaN stays NaN)
+and reads as `stored * scale` (`dequantize_kv`); the paged oracles take `k_scale=` and `v_scale=` with such a
+cache, positive float32 scalars or float32 scale caches `[num_blocks, block_size, num_kv_heads]` (one scale per
+token and head, `kv_scales_per_token_head`), and attend over the dequantised cache in float32: the definition.
 Positions i, j are request-local in `varlen_attention` and absolute in the paged oracles (the decode query sits at
 seq_len - 1; in `paged_attention` local query i sits at context_len + i), as the causal mask already reads them.
 Order of operations, in `_attend` for every oracle:
@@ -61,34 +62,56 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
-def _check_kv_scale(name: str, scale):
-    """A per-tensor scale as a float32 scalar; positive and finite where its value is known."""
+def _check_kv_scale(name: str, scale, shape=None):
+    """A per-tensor scale (a float32 scalar) or, with ``shape`` (``x.shape[:-1]``: one scale per row of the last
+    dim, vLLM's per-(token, head) mode), a float32 scale of that shape; positive and finite where its value is
+    known (per-tensor only: a scale cache's unused slots may hold anything)."""
     arr = jnp.asarray(scale)
-    if arr.shape != () or not jnp.issubdtype(arr.dtype, jnp.floating):
-        raise ValueError(f"{name} must be a float scalar (shape []); got {arr.dtype}{list(arr.shape)}")
+    if not jnp.issubdtype(arr.dtype, jnp.floating) or (arr.shape != () and arr.shape != shape):
+        want = "a float scalar (shape [])" + (f" or float32{list(shape)}" if shape is not None else "")
+        raise ValueError(f"{name} must be {want}; got {arr.dtype}{list(arr.shape)}")
     arr = arr.astype(jnp.float32)
-    if not isinstance(arr, jax.core.Tracer) and not (np.isfinite(float(arr)) and float(arr) > 0):
+    if arr.shape == () and not isinstance(arr, jax.core.Tracer) and not (np.isfinite(float(arr)) and float(arr) > 0):
         raise ValueError(f"{name} must be finite and positive; got {float(arr)}")
-    return arr
+    return arr if arr.shape == () else arr[..., None]
+
+
+SCALE_FLOOR = float(np.finfo(np.float32).tiny)  # a row of zeros gets this scale: it stores zeros
+
+
+def kv_scales_per_token_head(x, dtype):
+    """``f32[...]`` (``x.shape[:-1]``): the scale ``write_kv_cache`` gives each row of ``x [..., head_dim]`` (a
+    token's head) in per-(token, head) mode: its largest magnitude over the format's largest finite value, so the
+    row's largest element is stored at the top of the format; ``SCALE_FLOOR`` for a row of zeros; NaN in a row
+    with NaN."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
+    amax = jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), axis=-1)
+    return jnp.maximum(amax / float(jnp.finfo(dtype).max), SCALE_FLOOR)
 
 
 def quantize_kv(x, scale, dtype):
-    """``dtype[...]``: what an FP8 cache stores for ``x`` (`write_kv_cache` with ``k_scale``/``v_scale``):
-    ``x / scale`` in float32, saturated to the format's finite range (a finite value never becomes inf or NaN),
-    rounded to nearest even; NaN stays NaN."""
+    """``dtype[...]``: what an FP8 cache stores for ``x [..., head_dim]`` (`write_kv_cache` with
+    ``k_scale``/``v_scale``): ``x / scale`` in float32, saturated to the format's finite range (a finite value never
+    becomes inf or NaN), rounded to nearest even; NaN stays NaN. ``scale``: a scalar (per tensor) or
+    ``f32[x.shape[:-1]]`` (per token and head: :func:`kv_scales_per_token_head`)."""
     dtype = jnp.dtype(dtype)
     if dtype not in FP8_DTYPES:
         raise ValueError(f"dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
     finite = float(jnp.finfo(dtype).max)
-    y = jnp.asarray(x, jnp.float32) / _check_kv_scale("scale", scale)
+    x = jnp.asarray(x, jnp.float32)
+    y = x / _check_kv_scale("scale", scale, x.shape[:-1])
     return jnp.clip(y, -finite, finite).astype(dtype)
 
 
 def dequantize_kv(cache, scale):
-    """``f32[...]``: an FP8 cache as the attention reads it, ``stored * scale``."""
+    """``f32[...]``: an FP8 cache as the attention reads it, ``stored * scale`` (``scale`` as in
+    :func:`quantize_kv`)."""
     if jnp.dtype(cache.dtype) not in FP8_DTYPES:
         raise ValueError(f"cache must be float8_e4m3fn or float8_e5m2; got {cache.dtype}")
-    return jnp.asarray(cache).astype(jnp.float32) * _check_kv_scale("scale", scale)
+    cache = jnp.asarray(cache)
+    return cache.astype(jnp.float32) * _check_kv_scale("scale", scale, cache.shape[:-1])
 
 
 def _kv_caches(k_cache, v_cache, k_scale, v_scale):

@@ -63,16 +63,18 @@ def test_paged_ragged(tokens, seqs, max_query_len, max_blocks):
     assert _pallas_calls(text) >= (1 if max_query_len <= 16 else 2)
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
-def test_fp8_caches(cache_dtype):
-    """FP8 pages (loaded as FP8, converted in registers; masked loads fill FP8 zeros) through both paged kernels,
-    at D1's and M1's shapes."""
-    scale = S((), jnp.float32)
+@pytest.mark.parametrize("cache_dtype, mode", [(jnp.float8_e4m3fn, "tensor"), (jnp.float8_e5m2, "tensor"),
+                                               (jnp.float8_e4m3fn, "token")])
+def test_fp8_caches(cache_dtype, mode):
+    """FP8 pages (loaded as pairs, converted in registers) through both paged kernels, at D1's and M1's shapes, with
+    per-tensor scales or per-(token, head) scale caches."""
+    scale = S((), jnp.float32) if mode == "tensor" else S((64 * 512, 16, 8), jnp.float32)
     cache = S((64 * 512, 16, 8, 128), cache_dtype)
     decode = lambda *a: paged_decode_attention(*a[:5], k_scale=a[5], v_scale=a[6], interpret=False)  # noqa: E731
     text = _lower(decode, S((64, 32, 128), BF16), cache, cache, S((64, 512), I32), S((64,), I32), scale, scale)
     assert _pallas_calls(text) >= 1
     cache = S((68 * 512, 16, 8, 128), cache_dtype)
+    scale = S((), jnp.float32) if mode == "tensor" else S((68 * 512, 16, 8), jnp.float32)
     ragged = lambda *a: paged_attention(*a[:6], k_scale=a[6], v_scale=a[7], max_query_len=512,  # noqa: E731
                                         interpret=False)
     text = _lower(ragged, S((2152, 32, 128), BF16), cache, cache, S((68, 512), I32), S((68,), I32), S((69,), I32),

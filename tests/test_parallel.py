@@ -203,7 +203,8 @@ def check_cp_decode_bf16_bs8(rng):
 
 
 def check_cp_decode_fp8(rng):
-    """An FP8 cache spread over 2 devices: every shard dequantises with the same scales, the merge is unchanged."""
+    """An FP8 cache spread over 2 devices: every shard dequantises with the same scales (or its own pages' scale
+    caches), the merge is unchanged."""
     ctx = [70, 5, 0, 17]
     (q, kc, vc, tables, lens), shards, _, mesh = _cp_case(rng, ctx)
     k8, v8 = (reference.quantize_kv(c, 0.02, jnp.float8_e4m3fn) for c in (kc, vc))
@@ -214,6 +215,15 @@ def check_cp_decode_fp8(rng):
         out = parallel.context_parallel_decode(q, k8_2, v8_2, shards, mesh=mesh, axis="cp", merge=merge,
                                                config=SMALL, **scales)
         assert_attention_close(out, ref, dtype=jnp.float32)
+    # per-(token, head) scales: scale caches sharded with their pages
+    ks, vs = (reference.kv_scales_per_token_head(c, jnp.float8_e5m2) for c in (kc, vc))
+    k5, v5 = reference.quantize_kv(kc, ks, jnp.float8_e5m2), reference.quantize_kv(vc, vs, jnp.float8_e5m2)
+    ref = reference.paged_decode_attention(q, k5, v5, tables, lens, k_scale=ks, v_scale=vs)
+    k5_2, v5_2, ks_2, vs_2 = (parallel.shard_paged_cache(c, shards.page_map, mesh=mesh, axis="cp")
+                              for c in (k5, v5, ks, vs))
+    out = parallel.context_parallel_decode(q, k5_2, v5_2, shards, mesh=mesh, axis="cp", config=SMALL, k_scale=ks_2,
+                                           v_scale=vs_2)
+    assert_attention_close(out, ref, dtype=jnp.float32)
     try:
         parallel.context_parallel_decode(q, k8_2, v8_2, shards, mesh=mesh, axis="cp", k_scale=0.02)
     except ValueError as e:

@@ -1,10 +1,10 @@
 """What an FP8 paged cache costs in accuracy, and its write's speed.
 
 Accuracy: the relative L2 of attention over an FP8 cache against the same attention over the bf16 cache (the
-decode kernel, per-tensor scales, for each format and case) and, beside it, over a cache quantised per (token, KV
-head) (vLLM's ``per_token_head`` mode, computed by the reference: one float32 scale per 128 bytes of a token's head)
-to see whether that mode's bytes buy accuracy. Scales come from the tensor's (or the token-head's) largest
-magnitude, as a calibration would set them: ``amax / largest finite value of the format``.
+decode kernel, for each format, scale mode and case): per-tensor scales from the tensor's largest magnitude, as a
+calibration would set them (``amax / largest finite value of the format``), and per-(token, KV head) scales as
+``write_kv_cache`` computes them (vLLM's ``per_token_head`` mode: one float32 scale per 128 bytes of a token's
+head).
 
 Cases: ``normal`` (K, V standard normal), ``outlier_channels`` (keys with 4 of 128 channels 20× larger, as real
 models' keys have), ``token_scales`` (each token's keys and values scaled by 10^U(-2, 2): a dynamic range one
@@ -32,18 +32,9 @@ FORMATS = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 BLOCK = 16
 
 
-def _amax_scale(x, dtype, axis=None):
-    """``amax / finfo.max`` over ``axis`` (None: the whole tensor), never 0."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=axis is not None)
-    return jnp.maximum(amax, 1e-12) / float(jnp.finfo(dtype).max)
-
-
-def _per_token_head(cache, dtype):
-    """A cache quantised with one scale per (slot, KV head), dequantised: what per_token_head mode would read."""
-    scale = _amax_scale(cache, dtype, axis=-1)  # [num_blocks, block_size, Hkv, 1]
-    stored = jnp.clip(cache.astype(jnp.float32) / scale, -float(jnp.finfo(dtype).max),
-                      float(jnp.finfo(dtype).max)).astype(dtype)
-    return stored.astype(jnp.float32) * scale
+def _amax_scale(x, dtype):
+    """The per-tensor scale ``amax / finfo.max``, never 0."""
+    return jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32))), 1e-12) / float(jnp.finfo(dtype).max)
 
 
 def _case(name: str, rng: np.random.Generator, needle_keys: int):
@@ -90,11 +81,11 @@ def accuracy(needle_keys: int) -> list[dict]:
             ks, vs = _amax_scale(kb, fmt), _amax_scale(vb, fmt)
             k8, v8 = reference.quantize_kv(kb, ks, fmt), reference.quantize_kv(vb, vs, fmt)
             tensor = np.asarray(pa.paged_decode_attention(q, k8, v8, bt, sl, k_scale=ks, v_scale=vs), np.float32)
-            v_token = _per_token_head(vb, fmt)
-            token = np.asarray(reference.paged_decode_attention(q, _per_token_head(kb, fmt), v_token, bt, sl),
-                               np.float32)
-            stored = {"per_tensor (kernel)": reference.dequantize_kv(v8, vs), "per_token_head (reference)": v_token}
-            for mode, out in (("per_tensor (kernel)", tensor), ("per_token_head (reference)", token)):
+            kt, vt = reference.kv_scales_per_token_head(kb, fmt), reference.kv_scales_per_token_head(vb, fmt)
+            k8t, v8t = reference.quantize_kv(kb, kt, fmt), reference.quantize_kv(vb, vt, fmt)
+            token = np.asarray(pa.paged_decode_attention(q, k8t, v8t, bt, sl, k_scale=kt, v_scale=vt), np.float32)
+            stored = {"per_tensor": reference.dequantize_kv(v8, vs), "per_token_head": reference.dequantize_kv(v8t, vt)}
+            for mode, out in (("per_tensor", tensor), ("per_token_head", token)):
                 row = {"case": case, "format": jnp.dtype(fmt).name, "scale_mode": mode,
                        "rel_l2_vs_bf16_cache": float(np.linalg.norm(out - base) / np.linalg.norm(base))}
                 if case == "needle":  # the weight: out[0] over the needle's value 1.0 as FP8 stored it

@@ -30,7 +30,8 @@ import numpy as np
 from pallas_attn.core import validation
 
 PAD_SLOT = -1  # slot_mapping entry of a padding row: skipped by the write
-FP8_DTYPES = validation.FP8_DTYPES  # stored = value / scale (per tensor): write_kv_cache(k_scale=, v_scale=)
+FP8_DTYPES = validation.FP8_DTYPES  # stored = value / scale: write_kv_cache(k_scale=, v_scale=)
+SCALE_FLOOR = float(np.finfo(np.float32).tiny)  # the per-(token, head) scale of a row of zeros
 CACHE_DTYPES = (*validation.FLOAT_DTYPES, *FP8_DTYPES)
 
 
@@ -114,17 +115,53 @@ def _write_kv_cache_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale):
     return _scatter_rows(k_cache, k, slot_mapping), _scatter_rows(v_cache, v, slot_mapping)
 
 
+@functools.partial(jax.jit, donate_argnums=(0, 1, 5, 6))
+def _write_kv_cache_per_token_jit(k_cache, v_cache, k, v, slot_mapping, k_scales, v_scales):
+    """Per-(token, head) scales: each new row's scale from its own largest magnitude
+    (``reference.kv_scales_per_token_head``), written beside it."""
+    _check_write_shapes(k_cache, v_cache, k, v, slot_mapping)
+    out = []
+    for cache, scales, x in ((k_cache, k_scales, k), (v_cache, v_scales, v)):
+        row_scales = _per_token_head_scales(x, cache.dtype)  # [T, Hkv]
+        stored = _quantize(x, row_scales[..., None], cache.dtype)
+        out += [_scatter_rows(cache, stored, slot_mapping), _scatter_rows(scales, row_scales, slot_mapping)]
+    return out[0], out[2], out[1], out[3]
+
+
+def _per_token_head_scales(x, dtype):
+    """``f32[T, Hkv]``: ``reference.kv_scales_per_token_head``, the definition."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    return jnp.maximum(amax / float(jnp.finfo(dtype).max), SCALE_FLOOR)
+
+
 def _check_scales(k_cache, v_cache, k_scale, v_scale):
-    """The scales an FP8 pair of caches needs (both, finite and positive), refused with any other dtype."""
+    """The scales an FP8 pair of caches needs (both, finite and positive scalars or both scale caches), refused
+    with any other dtype; and the mode (``validation.check_kv_scales``)."""
     k_scale = validation.check_kv_scale("k_scale", k_scale)
     v_scale = validation.check_kv_scale("v_scale", v_scale)
-    validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    return k_scale, v_scale
+    mode = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    return k_scale, v_scale, mode
 
 
-def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None,
-                   v_scale=None) -> tuple[jax.Array, jax.Array]:
-    """Writes the new tokens' keys and values into the paged caches; returns the new `(k_cache, v_cache)`.
+def allocate_kv_scales(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
+    """Scale caches `(k_scales, v_scales)`, each `f32[num_blocks, block_size, num_kv_heads]` of ones: an FP8 cache
+    with one scale per token and head (vLLM's `per_token_head` mode). Pass them as `write_kv_cache(...,
+    k_scale=k_scales, v_scale=v_scales)`, which fills in each written slot's scales, and to the paged kernels.
+
+    Example:
+      >>> k_scales, v_scales = allocate_kv_scales(8, 16, 2)
+      >>> k_scales.shape
+      (8, 16, 2)
+    """
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads)):
+        validation.check_static_int(name, value)
+    shape = (num_blocks, block_size, num_kv_heads)
+    return jnp.ones(shape, jnp.float32), jnp.ones(shape, jnp.float32)
+
+
+def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None) -> tuple[jax.Array, ...]:
+    """Writes the new tokens' keys and values into the paged caches; returns the new `(k_cache, v_cache)` (and the
+    new scale caches with per-(token, head) scales).
 
     Args:
       k_cache: dtype[num_blocks, block_size, num_kv_heads, head_dim]. DONATED: do not use it after the call.
@@ -133,8 +170,12 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None,
       v: [num_tokens, num_kv_heads, head_dim_v] values.
       slot_mapping: i32[num_tokens] cache slot of each row (`BatchMetadata.slot_mapping`); -1 (and any slot
         outside the pool) skips the row.
-      k_scale, v_scale: float32 scalars, with an FP8 cache only (required there): the cache stores
-        `value / scale`, saturated to the format's finite range (`pallas_attn.reference.quantize_kv`).
+      k_scale, v_scale: with an FP8 cache only (required there): float32 scalars (per tensor), the cache then
+        stores `value / scale` saturated to the format's finite range (`pallas_attn.reference.quantize_kv`); or
+        scale caches `f32[num_blocks, block_size, num_kv_heads]` (:func:`allocate_kv_scales`, per token and head;
+        DONATED), each written row then gets its own scale, its largest magnitude over the format's largest
+        finite value (`pallas_attn.reference.kv_scales_per_token_head`), and the call returns
+        `(k_cache, v_cache, k_scale, v_scale)`.
 
     The caches are donated, so on GPU (and CPU) the write is in place: only the written rows move. Inside an
     outer `jax.jit` donation is up to that outer function. Works under `jax.jit` either way.
@@ -149,7 +190,9 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None,
     with warnings.catch_warnings():
         # Backends that cannot donate (or an unusual aliasing) only cost a copy; do not warn on every compile.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        k_scale, v_scale = _check_scales(k_cache, v_cache, k_scale, v_scale)
+        k_scale, v_scale, mode = _check_scales(k_cache, v_cache, k_scale, v_scale)
+        if mode == "token":
+            return _write_kv_cache_per_token_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
         return _write_kv_cache_jit(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
 
 

@@ -101,7 +101,7 @@ def _exponent(s2, m_safe, scale):
     return s2 - m_safe[:, None] if scale is None else s2 * scale - m_safe[:, None]
 
 
-def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2):
+def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2, v_scale=None):
     """Fold one key tile into the running state.
 
     Args:
@@ -111,13 +111,24 @@ def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2):
         masked keys must hold finite values (loads use ``other=0``).
       dot: the backend's matmul ``dot(a [M, N], b [N, D]) -> f32 [M, D]``.
       exp2: ``jnp.exp2`` (interpret mode, exact) or :func:`approx_exp2` (compiled).
+      v_scale: ``f32[N]`` each value's scale (an FP8 cache with per-token scales), or None. The probabilities
+        meet ``v`` in its 16-bit dtype, so each column is scaled by ``v_scale / 2**e``, ``2**e`` the tile's
+        largest scale rounded up to a power of two (then in ``(0, 1]``: fp16 keeps them normal however small the
+        scales are), and the product by ``2**e`` after the dot.
     """
     acc, m, l = state
     m_new, alpha, p, l = softmax_update(m, l, s2, exp2)
+    top = None
+    if v_scale is not None:
+        top = jnp.max(v_scale)
+        top = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(top > 0, top, 1.0))))
+        p = p * (v_scale / top)[None, :]
+    parts = v if isinstance(v, tuple) else (v,)
+    p = p.astype(parts[0].dtype)
+    products = tuple(dot(p, part) if top is None else dot(p, part) * top for part in parts)
     if isinstance(v, tuple):
-        p = p.astype(v[0].dtype)
-        return tuple(alpha[:, None] * a + dot(p, part) for a, part in zip(acc, v)), m_new, l
-    return alpha[:, None] * acc + dot(p.astype(v.dtype), v), m_new, l
+        return tuple(alpha[:, None] * a + pv for a, pv in zip(acc, products)), m_new, l
+    return alpha[:, None] * acc + products[0], m_new, l
 
 
 def normalize(acc, l):

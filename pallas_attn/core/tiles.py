@@ -150,14 +150,35 @@ def dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def kv_scales(kv_scales_ref, scale: float):
-    """``(score scale, v_scale | None)`` of a paged kernel: with an FP8 cache (``kv_scales_ref f32[2]`` = k_scale,
-    v_scale) the K scale folds into the softmax scale and the V scale multiplies the normalised output once (the
-    cache's values are ``stored · scale``; both products are exact algebra, docs/design.md#fp8-kv-caches). Without,
-    the static ``scale`` and None."""
-    if kv_scales_ref is None:
-        return scale, None
-    return scale * kv_scales_ref[0], kv_scales_ref[1]
+def kv_scale_args(mode: str | None, k_scale, v_scale) -> tuple:
+    """A paged launch's FP8 scale arrays for ``mode`` (:func:`pallas_attn.core.validation.check_kv_scales`): ``()``
+    without FP8, ``(f32[2],)`` per tensor, the two scale caches per token and head."""
+    if mode is None:
+        return ()
+    if mode == "tensor":
+        return (jnp.stack([k_scale, v_scale]).astype(jnp.float32),)
+    return k_scale, v_scale
+
+
+def kv_scales_mode(kv_scales) -> str | None:
+    """The mode of a paged launch's FP8 scale arrays: ``()`` None, ``(f32[2],)`` "tensor", two scale caches
+    "token"."""
+    return {0: None, 1: "tensor", 2: "token"}[len(kv_scales)]
+
+
+def kv_scales(refs: list, mode: str | None, scale):
+    """``(score scale, v_scale | None, token_scales | None)`` of a paged kernel, popping its scale refs from the
+    front of ``refs``. Per tensor (``mode`` "tensor", one ref ``f32[2]`` = k_scale, v_scale) the K scale folds into
+    the softmax scale and the V scale multiplies the normalised output once (the cache's values are ``stored ·
+    scale``; both products are exact algebra, docs/design.md#fp8-kv-caches). Per token and head ("token", two refs
+    ``f32[num_blocks * block_size * Hkv]``, indexed like the cache's rows) ``token_scales`` is the pair of refs,
+    for :func:`paged_kv_step`. Without an FP8 cache, the static ``scale``."""
+    if mode is None:
+        return scale, None, None
+    if mode == "tensor":
+        ref = refs.pop(0)
+        return scale * ref[0], ref[1], None
+    return scale, None, (refs.pop(0), refs.pop(0))
 
 
 FP8_QUERY_TOP = 14  # an FP8 cache's fp16 query tile has its largest magnitude in [2**14, 2**15)
@@ -225,7 +246,7 @@ def query_for_cache(q, fp8: str | None, scale):
 def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, kv_head, *, cols: Cols,
                   block_n: int, block_size: int, num_kv_heads: int, num_pages: int, scale: float, dot,
                   mods: masks.ScoreMods = masks.NO_MODS, slope2=None, kv_first=None, fp8: str | None = None,
-                  compiled: bool = True):
+                  compiled: bool = True, token_scales=None):
     """The per-KV-tile step shared by paged decode and ragged paged attention (``mods``: window, soft-cap and
     ALiBi on absolute positions; ``slope2 [M]`` the rows' ALiBi slopes in base 2).
 
@@ -239,7 +260,10 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
     pages, may be freed and hold anything). ``fp8``: the refs hold an FP8 cache as ``uint16`` pairs
     (:func:`as_fp8_pairs`), ``cols`` their ``Dp/2`` columns and ``q`` the ``(even, odd)`` dims (:func:`pair_cols`);
     each tile becomes its even and odd dims (:func:`fp8_pairs`, exact), the scores sum a dot of each and the state's
-    accumulator holds both; ``scale`` then carries the K scale (:func:`kv_scales`).
+    accumulator holds both; ``scale`` then carries a per-tensor K scale (:func:`kv_scales`). ``token_scales``:
+    per-(token, head) scale refs ``(k_scales, v_scales)``, read with the tile's rows: each key's scale multiplies
+    its column of raw scores, each value's joins its column of probabilities for ``P V``
+    (:func:`softmax.online_softmax_step`).
     """
     dtype = (q[0] if fp8 else q).dtype
 
@@ -254,25 +278,36 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
             return dot(q[0], k[0].T) + dot(q[1], k[1].T)
         return dot(q, k.T)
 
+    def scores(k, rows, row_mask=None):  # [M, N] base 2, and the values' scales [N] (per token and head)
+        raw = qk(k)
+        v_scale = None
+        if token_scales is not None:
+            raw = raw * load_vector(token_scales[0], rows, row_mask)[None, :]
+            v_scale = load_vector(token_scales[1], rows, row_mask)
+        return raw, v_scale
+
     def step(j, state, masked):
         k_pos = j * block_n + jnp.arange(block_n)  # [N]
         if not masked:
             rows, _ = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, num_pages,
                                  guard=False)
             k, v = load_kv(rows)
-            return softmax.online_softmax_step(state, mods.scores(qk(k), scale, q_pos, k_pos, slope2), v, dot)
+            raw, v_scale = scores(k, rows)
+            return softmax.online_softmax_step(state, mods.scores(raw, scale, q_pos, k_pos, slope2), v, dot,
+                                               v_scale=v_scale)
         k_valid = k_pos < kv_len if kv_first is None else (k_pos < kv_len) & (k_pos >= kv_first)
         rows, page_ok = paged_rows(block_table_ref, table_base, k_pos, block_size, num_kv_heads, kv_head, num_pages,
                                    k_valid)
         ok = k_valid & page_ok  # [N]
         k, v = load_kv(rows, ok)
-        s2 = mods.scores(qk(k), scale, q_pos, k_pos, slope2)  # [M, N] base 2
+        raw, v_scale = scores(k, rows, ok)  # a masked key's scales read as 0
+        s2 = mods.scores(raw, scale, q_pos, k_pos, slope2)  # [M, N] base 2
         # A key past the request, before every row's window or on a page outside the pool moves past every query:
         # one [M, N] compare is the whole causal, length and page mask (every valid row sits below kv_len).
         visible = jnp.where(ok, k_pos, jnp.iinfo(jnp.int32).max)[None, :] <= q_pos[:, None]
         window = mods.window_mask(q_pos, k_pos)
         s2 = jnp.where(visible if window is None else visible & window, s2, -jnp.inf)
-        return softmax.online_softmax_step(state, s2, v, dot)
+        return softmax.online_softmax_step(state, s2, v, dot, v_scale=v_scale)
 
     return step
 

@@ -9,6 +9,7 @@ arrays (lengths, page ids, boundaries) are data, never checked here: :func:`pall
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -184,23 +185,31 @@ def check_paged_kv(q, k_cache, v_cache, block_tables, q_layout: str) -> None:
     check_int32("block_tables", block_tables)
 
 
-def check_kv_scale(name: str, scale):
-    """A per-tensor FP8 cache scale (``stored = value / scale``): a float scalar (Python float, numpy or jax 0-d
-    array, traced or not) → ``f32[]``; finite and positive where its value is known (never inside ``jax.jit``: the
-    public functions call this in front of it). None passes as None.
+SCALE_WANT = ("a float scalar (shape []: per tensor) or float32[num_blocks, block_size, num_kv_heads] (per token "
+              "and head)")
 
-    A Python or numpy value is checked on the host before its transfer; a jax array's value costs one 4-byte read,
-    and none when traced (``checked`` tests it in the jitted program). No device operation runs here, and no
+
+def check_kv_scale(name: str, scale, *, cache_rank: int = 4):
+    """An FP8 cache scale (``stored = value / scale``): a float scalar (Python float, numpy or jax 0-d array, traced
+    or not) → ``f32[]``, finite and positive where its value is known; or a float32 scale cache ``[num_blocks,
+    block_size, num_kv_heads]`` (per token and head, written by ``write_kv_cache``; its shape against the cache:
+    :func:`check_kv_scales`), passed on as is. None passes as None. Never inside ``jax.jit``: the public functions
+    call this in front of it. ``cache_rank`` 5: caches with a leading device axis (``pallas_attn.parallel``), whose
+    scale caches have one too.
+
+    A Python or numpy value is checked on the host before its transfer; a jax scalar's value costs one 4-byte
+    read, and none when traced (``checked`` tests it in the jitted program). No device operation runs here, and no
     read waits on one: that stalls asynchronous dispatch (docs/performance.md#fp8-kv-caches)."""
     if scale is None:
         return None
     if isinstance(scale, bool):
-        raise TypeError(f"{name} must be a float scalar (shape []); got a bool")
-    if isinstance(scale, jax.ShapeDtypeStruct):
-        _check_scalar(name, scale)
-        return jax.ShapeDtypeStruct((), jnp.float32)
-    if isinstance(scale, jax.Array):  # tracers included
-        _check_scalar(name, scale)
+        raise TypeError(f"{name} must be {SCALE_WANT}; got a bool")
+    if isinstance(scale, (jax.Array, jax.ShapeDtypeStruct)):  # tracers included
+        _check_scale_array(name, scale, cache_rank)
+        if scale.ndim:
+            return scale
+        if isinstance(scale, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((), jnp.float32)
         if not isinstance(scale, jax.core.Tracer):
             _check_scale_value(name, float(scale))
         return scale if scale.dtype == jnp.float32 else scale.astype(jnp.float32)
@@ -209,11 +218,21 @@ def check_kv_scale(name: str, scale):
     except (TypeError, ValueError):
         arr = None
     if arr is None or not jnp.issubdtype(arr.dtype, jnp.number):
-        raise TypeError(f"{name} must be a float scalar (shape []); got {_describe(scale)}")
-    _check_scalar(name, arr)
-    value = np.float32(arr)
-    _check_scale_value(name, float(value))
-    return jnp.asarray(value)  # a transfer, not an operation: the same jit signature as a jax array's
+        raise TypeError(f"{name} must be {SCALE_WANT}; got {_describe(scale)}")
+    _check_scale_array(name, arr, cache_rank)
+    if arr.ndim:
+        return jnp.asarray(arr)
+    value = float(np.float32(arr))
+    _check_scale_value(name, value)
+    return _device_scale(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_scale(value: float) -> jax.Array:
+    """``f32[]`` on the default device, one transfer per distinct value: a serving loop passes the same calibrated
+    scale every step, and a transfer per call costs more than an 8k-token cache write
+    (docs/performance.md#fp8-kv-caches)."""
+    return jnp.asarray(value, jnp.float32)
 
 
 def _check_scale_value(name: str, value: float) -> None:
@@ -221,17 +240,17 @@ def _check_scale_value(name: str, value: float) -> None:
         raise ValueError(f"{name} must be finite and positive (stored = value / {name}); got {value}")
 
 
-def _check_scalar(name: str, x) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must be a float scalar (shape []); got {x.dtype}{list(x.shape)}")
-    if x.shape != ():
-        raise ValueError(f"{name} must be a float scalar (shape []): one scale per tensor (per-token or per-head "
-                         f"scales are not supported); got {x.dtype}{list(x.shape)}")
+def _check_scale_array(name: str, x, cache_rank: int = 4) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating) or (x.ndim and x.dtype != jnp.float32):
+        raise TypeError(f"{name} must be {SCALE_WANT}; got {x.dtype}{list(x.shape)}")
+    if x.ndim not in (0, cache_rank - 1):
+        raise ValueError(f"{name} must be {SCALE_WANT}; got {x.dtype}{list(x.shape)}")
 
 
-def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
-    """An FP8 pair of caches has both scales, any other pair neither; True for FP8. Shapes and dtypes only (the
-    values: :func:`check_kv_scale`)."""
+def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> str | None:
+    """An FP8 pair of caches has both scales, any other pair neither. Returns the scale mode of an FP8 pair,
+    ``"tensor"`` (scalars) or ``"token"`` (scale caches ``[num_blocks, block_size, num_kv_heads]``, both), else
+    None. Shapes and dtypes only (the values: :func:`check_kv_scale`)."""
     fp8 = [jnp.dtype(c.dtype) in FP8_DTYPES for c in (k_cache, v_cache)]
     if any(fp8):
         if not all(fp8) or k_cache.dtype != v_cache.dtype:
@@ -240,13 +259,21 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
         if missing:
             raise ValueError(f"an FP8 cache ({k_cache.dtype}) needs k_scale= and v_scale= (stored = value / scale, "
                              f"as written by write_kv_cache); {' and '.join(missing)} missing")
-        _check_scalar("k_scale", k_scale)
-        _check_scalar("v_scale", v_scale)
-        return True
+        slots = tuple(k_cache.shape[:-1])
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            _check_scale_array(name, x, k_cache.ndim)
+            if x.ndim and tuple(x.shape) != slots:
+                raise ValueError(f"{name} must be {SCALE_WANT} with the caches' [num_blocks, block_size, "
+                                 f"num_kv_heads] = {list(slots)}; got {x.dtype}{list(x.shape)}")
+        if k_scale.ndim != v_scale.ndim:
+            raise ValueError(f"k_scale and v_scale must be both scalars (per tensor) or both scale caches (per token "
+                             f"and head); got {k_scale.dtype}{list(k_scale.shape)} and "
+                             f"{v_scale.dtype}{list(v_scale.shape)}")
+        return "token" if k_scale.ndim else "tensor"
     if k_scale is not None or v_scale is not None:
         raise ValueError(f"k_scale / v_scale go with an FP8 cache (float8_e4m3fn, float8_e5m2); k_cache is "
                          f"{k_cache.dtype}")
-    return False
+    return None
 
 
 def check_window_size(name: str, value) -> tuple[int, int]:

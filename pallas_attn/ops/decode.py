@@ -9,9 +9,8 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from pallas_attn.core import backend, config as config_lib, masks, validation
+from pallas_attn.core import backend, config as config_lib, masks, tiles, validation
 from pallas_attn.kernels.triton import decode as triton_decode
 from pallas_attn.ops import common
 from pallas_attn.ops.common import renamed_argument
@@ -20,17 +19,17 @@ _OPTIONAL_INT = functools.partial(validation.check_static_int, optional=True)
 _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
-def _validate(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale) -> bool:
-    """The rules of the arguments' shapes and dtypes; True for an FP8 cache."""
+def _validate(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale) -> str | None:
+    """The rules of the arguments' shapes and dtypes; an FP8 cache's scale mode ("tensor", "token"), else None."""
     validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_seqs, num_q_heads, head_dim]")
-    fp8 = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    scale_mode = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     validation.check_rank("seq_lens", seq_lens, 1, "i32[num_seqs]")
     validation.check_int32("seq_lens", seq_lens)
     validation.check_shape("seq_lens", seq_lens, (q.shape[0],), "i32[num_seqs] with num_seqs = q.shape[0]")
     if block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"block_tables must be i32[num_seqs, max_blocks] with num_seqs = q.shape[0] = "
                          f"{q.shape[0]}; got {tuple(block_tables.shape)}")
-    return fp8
+    return scale_mode
 
 
 @renamed_argument("context_lens", "seq_lens")
@@ -84,7 +83,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
     Example:
       >>> out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
     """
-    fp8 = _validate(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
+    scale_mode = _validate(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
     for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None:
             validation.check_head_vector(name, x, q.shape[1])
@@ -102,7 +101,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
     run = functools.partial(triton_decode.paged_decode_triton, scale=float(scale), num_splits=splits,
                             split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg,
                             mods=mods)
-    kv_scales = jnp.stack([k_scale, v_scale]).astype(jnp.float32) if fp8 else None
+    kv_scales = tiles.kv_scale_args(scale_mode, k_scale, v_scale)
     out, lse = common.no_backward("paged_decode_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,
                                                                  alibi_slopes, sinks, kv_scales)
     return (out, lse) if return_lse else out

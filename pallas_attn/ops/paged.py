@@ -9,10 +9,9 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_attn.core import backend, config as config_lib, masks, metadata, validation
+from pallas_attn.core import backend, config as config_lib, masks, metadata, tiles, validation
 from pallas_attn.kernels.triton import paged as triton_paged
 from pallas_attn.ops import common
 
@@ -20,17 +19,17 @@ _OPTIONAL_INT = functools.partial(validation.check_static_int, optional=True)
 _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
-def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scale, v_scale) -> bool:
-    """The rules of the arguments' shapes and dtypes; True for an FP8 cache."""
+def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scale, v_scale) -> str | None:
+    """The rules of the arguments' shapes and dtypes; an FP8 cache's scale mode ("tensor", "token"), else None."""
     validation.check_paged_kv(q, k_cache, v_cache, block_tables, "[num_tokens, num_q_heads, head_dim]")
-    fp8 = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    scale_mode = validation.check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     num_seqs = block_tables.shape[0]
     validation.check_int32("seq_lens", seq_lens)
     validation.check_shape("seq_lens", seq_lens, (num_seqs,), "i32[num_seqs] with num_seqs = block_tables.shape[0]")
     validation.check_int32("cu_query_lens", cu_query_lens)
     validation.check_shape("cu_query_lens", cu_query_lens, (num_seqs + 1,),
                            "i32[num_seqs + 1] with num_seqs = block_tables.shape[0]")
-    return fp8
+    return scale_mode
 
 
 @common.front(arrays=("q", "k_cache", "v_cache", "alibi_slopes", "sinks"),
@@ -84,7 +83,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       >>> out = paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_query_lens,
       ...                       max_query_len=md.max_query_len)
     """
-    fp8 = _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scale, v_scale)
+    scale_mode = _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scale, v_scale)
     for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None:
             validation.check_head_vector(name, x, q.shape[1])
@@ -123,7 +122,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     run = functools.partial(triton_paged.ragged_paged_triton, max_query_len=max_query_len, scale=float(scale),
                             num_splits=splits, split_size=split_size, interpret=backend.resolve_interpret(interpret),
                             cfg=cfg, chunk_cfg=chunk_cfg, short_splits=short_splits, mods=mods)
-    kv_scales = jnp.stack([k_scale, v_scale]).astype(jnp.float32) if fp8 else None
+    kv_scales = tiles.kv_scale_args(scale_mode, k_scale, v_scale)
     out, lse = common.no_backward("paged_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,
                                                           cu_query_lens, alibi_slopes, sinks, kv_scales)
     return (out, lse) if return_lse else out

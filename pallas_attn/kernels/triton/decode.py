@@ -36,18 +36,18 @@ def _decode_kernel(
     q_ref,  # [num_seqs * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
-    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), [kv_scales f32[2]: FP8 k_scale, v_scale];
-    #         outputs o, lse:
+    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), FP8 scales (kv_scales_mode "tensor": f32[2]
+    #         k_scale, v_scale; "token": k and v scales f32[num_blocks * block_size * Hkv]); outputs o, lse:
     #         o [num_seqs * Hq, Dp] (single pass, q dtype) or [num_splits * num_seqs * Hq, Dp] (f32 partials),
     #         lse f32[num_seqs * Hq] or f32[num_splits * num_seqs * Hq]
     num_q_heads: int, num_kv_heads: int, head_dim: int, rows: int, max_blocks: int, block_size: int,
     block_n: int, num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, precision,
-    kv_scaled: bool, fp8: str | None, compiled: bool,
+    kv_scales_mode: str | None, fp8: str | None, compiled: bool,
 ):
     refs = list(refs)
     slopes_ref = refs.pop(0) if mods.alibi else None
     sinks_ref = refs.pop(0) if mods.sinks else None
-    scale, v_scale = tiles.kv_scales(refs.pop(0) if kv_scaled else None, scale)
+    scale, v_scale, token_scales = tiles.kv_scales(refs, kv_scales_mode, scale)
     o_ref, lse_ref = refs
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group = num_q_heads // num_kv_heads
@@ -78,7 +78,7 @@ def _decode_kernel(
                                num_pages=num_pages, scale=scale, dot=dot, mods=mods,
                                slope2=tiles.load_vector(slopes_ref, q_rows % num_q_heads, row_valid) * softmax.LOG2E
                                if mods.alibi else None,
-                               kv_first=kv_first, fp8=fp8, compiled=compiled)
+                               kv_first=kv_first, fp8=fp8, compiled=compiled, token_scales=token_scales)
     state = softmax.kv_loop(softmax.init_state(rows, padded // 2 if fp8 else padded, 2 if fp8 else 1), tile_start,
                             full_end, kv_end, step, full_start)
     # an empty split (or context 0) gives 0 and -inf; split partials leave the sink to the merge
@@ -93,11 +93,12 @@ def _decode_kernel(
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes=None, sinks=None, kv_scales=None,
+def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, alibi_slopes=None, sinks=None, kv_scales=(),
                         *, scale, num_splits, split_size, interpret, cfg: config_lib.DecodeConfig,
                         mods: masks.ScoreMods = masks.NO_MODS):
     """``(out [num_seqs, Hq, D], lse)``; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says;
-    ``kv_scales f32[2]`` (``k_scale, v_scale``) with an FP8 cache, dequantised in the kernel."""
+    ``kv_scales`` with an FP8 cache, dequantised in the kernel: ``(f32[2],)`` (``k_scale, v_scale``, per tensor) or
+    the two scale caches ``f32[num_blocks, block_size, Hkv]`` (per token and head); ``()`` without."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
@@ -118,15 +119,15 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, alibi_slope
         _decode_kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rows=rows,
         max_blocks=max_blocks, block_size=block_size, block_n=cfg.block_n, num_splits=num_splits,
         split_size=split_size, scale=scale, mods=mods, precision=tiles.dot_precision(q.dtype),
-        kv_scaled=kv_scales is not None, fp8=fp8, compiled=not interpret)
+        kv_scales_mode=tiles.kv_scales_mode(kv_scales), fp8=fp8, compiled=not interpret)
     features = [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None]
-    scales = [] if kv_scales is None else [kv_scales.astype(jnp.float32)]
+    scales = [x.reshape(-1).astype(jnp.float32) for x in kv_scales]
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=[vec(num_seqs), vec(num_seqs * max_blocks), full(num_seqs * num_q_heads),
                   full(cache_rows, kv_width), full(cache_rows, kv_width)]
-                 + [vec(num_q_heads)] * len(features) + [vec(2)] * len(scales),
+                 + [vec(num_q_heads)] * len(features) + [vec(x.shape[0]) for x in scales],
         out_specs=[full(out_rows), vec(out_rows)],
         out_shape=[jax.ShapeDtypeStruct((out_rows, head_dim), jnp.float32 if partial else q.dtype),
                    jax.ShapeDtypeStruct((out_rows,), jnp.float32)],

@@ -122,12 +122,12 @@ def _ragged_kernel(
     q_ref,  # [T * Hq, Dp]
     k_ref,  # [num_blocks * block_size * Hkv, Dp]
     v_ref,  # [num_blocks * block_size * Hkv, Dp]
-    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), [kv_scales f32[2]: FP8], [merge inputs],
+    *refs,  # [alibi_slopes f32[Hq]], [sinks f32[Hq]] (as mods says), [FP8 scales: tiles.kv_scales], [merge inputs],
     #         [o_prev, lse_prev (aliased to the outputs: a second pass fills in its rows)], o, lse
     zero_padding: bool, compact: bool, merge: tuple | None, num_seqs: int, num_tokens: int, num_q_heads: int,
     num_kv_heads: int, head_dim: int, group_padded: int, block_q: int, max_blocks: int, block_size: int,
     block_n: int, num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, precision,
-    kv_scaled: bool, fp8: str | None, compiled: bool,
+    kv_scales_mode: str | None, fp8: str | None, compiled: bool,
 ):
     """``compact``: write f32 partial states tile by tile into ``[num_splits, num_q_blocks, Hkv, M, Dp]`` (a later
     launch merges them) instead of token rows. ``merge = (merge_blocks, merge_block_q, merge_splits)``: program
@@ -139,7 +139,7 @@ def _ragged_kernel(
     refs = list(refs)
     slopes_ref = refs.pop(0) if mods.alibi else None
     sinks_ref = refs.pop(0) if mods.sinks else None
-    scale, v_scale = tiles.kv_scales(refs.pop(0) if kv_scaled else None, scale)
+    scale, v_scale, token_scales = tiles.kv_scales(refs, kv_scales_mode, scale)
     o_ref, lse_ref = refs[-2:]  # [T * Hq, Dp] or [num_splits * T * Hq, Dp] (f32 partials); f32[...] LSE
     p, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_q_blocks = block_req_ref.shape[0]
@@ -192,7 +192,8 @@ def _ragged_kernel(
                                    cols=kv_cols, block_n=block_n, block_size=block_size, num_kv_heads=num_kv_heads,
                                    num_pages=num_pages, scale=score_scale, dot=dot, mods=mods,
                                    slope2=head_vector(slopes_ref) if mods.alibi else None,
-                                   kv_first=kv_first, fp8=fp8, compiled=compiled)
+                                   kv_first=kv_first, fp8=fp8, compiled=compiled,
+                                   token_scales=token_scales)
         state = softmax.kv_loop(softmax.init_state(r.shape[0], padded // 2 if fp8 else padded, 2 if fp8 else 1),
                                 tile_start, full_end, kv_end, step, full_start)
         # split partials (compact or not) leave the sink to their merge
@@ -264,7 +265,7 @@ def _merge_partials(i, kv_head, cu_query_lens_ref, block_req_ref, block_first_re
 
 # -------------------------------------------------------------------------------------------- pallas_call
 def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes=None, sinks=None,
-                        kv_scales=None, *,
+                        kv_scales=(), *,
                         max_query_len, scale, num_splits, split_size, interpret, cfg: config_lib.DecodeConfig,
                         chunk_cfg: config_lib.DecodeConfig, short_splits: tuple[int, int | None] | None = None,
                         short_rows: int = SHORT_TILE_ROWS, mods: masks.ScoreMods = masks.NO_MODS):
@@ -276,7 +277,8 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
     ``short_splits = (num_splits, split_size)`` (two launches, the chunks unsplit: ``num_splits == 1``) splits the
     short queries' launch on its own: it writes compact partial states and the chunk launch's programs merge them
     into the output rows, so the chunk rows never go through a split buffer or the merge. ``alibi_slopes`` /
-    ``sinks`` ``f32[Hq]`` exactly when ``mods`` says; ``kv_scales f32[2]`` (``k_scale, v_scale``) with an FP8 cache."""
+    ``sinks`` ``f32[Hq]`` exactly when ``mods`` says; ``kv_scales`` with an FP8 cache as
+    :func:`pallas_attn.kernels.triton.decode.paged_decode_triton`'s."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
@@ -304,8 +306,7 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
     full = lambda n, w=padded: pl.BlockSpec((n, w), lambda *_: (0, 0))  # noqa: E731
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))  # noqa: E731
     features = [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None]
-    if kv_scales is not None:
-        features.append(kv_scales.astype(jnp.float32))
+    features += [x.reshape(-1).astype(jnp.float32) for x in kv_scales]
     args = (cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, head_dim),
             k_cache.reshape(cache_rows, -1), v_cache.reshape(cache_rows, -1), *features)
     prev, merge_in = (), None  # the last launch's token-row outputs; compact partials awaiting their merge
@@ -331,7 +332,7 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
             num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             group_padded=group_padded, block_q=block_q, max_blocks=max_blocks, block_size=block_size,
             block_n=pass_cfg.block_n, num_splits=splits, split_size=size, scale=scale, mods=mods,
-            precision=tiles.dot_precision(q.dtype), kv_scaled=kv_scales is not None, fp8=fp8,
+            precision=tiles.dot_precision(q.dtype), kv_scales_mode=tiles.kv_scales_mode(kv_scales), fp8=fp8,
             compiled=not interpret)
         outs = pl.pallas_call(
             kernel,
