@@ -12,7 +12,7 @@ per-tensor scale must span), and ``needle`` (one key among ``--needle-keys`` hol
 the bf16 cache; its value is the one-hot of channel 0, so ``out[0]`` over the value FP8 stored is the needle's
 attention weight: FP8 must keep it within 5% of the bf16 cache's).
 
-Speed: ``write_kv_cache`` of an 8k-token prefill chunk into a bf16 and an e4m3 cache, interleaved.
+Speed: ``write_kv_cache`` of an 8k-token prefill chunk into a bf16 and an e4m3 cache (both scale modes), interleaved.
 
     python -m benchmarks.lab.fp8 [--needle-keys 131072]
 """
@@ -97,26 +97,34 @@ def accuracy(needle_keys: int) -> list[dict]:
 
 
 def write_speed(tokens: int = 8192, pool_tokens: int = 262144) -> dict:
-    """µs of one ``write_kv_cache`` of ``tokens`` new rows (Hkv 8, D 128) into a bf16 and an e4m3 pool, the rows'
-    slots a random permutation of the pool's."""
+    """µs of one ``write_kv_cache`` of ``tokens`` new rows (Hkv 8, D 128) into a bf16 pool and into e4m3 pools (scales
+    as Python floats, as device scalars, and per token and head), the rows' slots a random permutation of the pool's;
+    each through the public function, called back to back as a serving loop does."""
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((tokens, 8, 128)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((tokens, 8, 128)), jnp.bfloat16)
     slots = jnp.asarray(rng.permutation(pool_tokens)[:tokens], jnp.int32)
-    fns, args = [], []
-    for dtype, scales in ((jnp.bfloat16, {}), (jnp.float8_e4m3fn, dict(k_scale=0.02, v_scale=0.02))):
-        caches = pa.allocate_kv_cache(pool_tokens // BLOCK, BLOCK, 8, 128, dtype)
-        state = {"caches": caches}
+    pages = pool_tokens // BLOCK
+    cases = {"bf16": (jnp.bfloat16, {}), "e4m3_python_scales": (jnp.float8_e4m3fn, dict(k_scale=0.02, v_scale=0.02)),
+             "e4m3_device_scales": (jnp.float8_e4m3fn, dict(k_scale=jnp.float32(0.02), v_scale=jnp.float32(0.02))),
+             "e4m3_per_token_head": (jnp.float8_e4m3fn, dict(zip(("k_scale", "v_scale"),
+                                                                 pa.allocate_kv_scales(pages, BLOCK, 8))))}
+    fns = []
+    for dtype, scales in cases.values():
+        state = {"caches": pa.allocate_kv_cache(pages, BLOCK, 8, 128, dtype), "scales": scales}
 
-        def write(k, v, slots, state=state, scales=scales):  # the pool is donated: carry the written one
-            state["caches"] = pa.write_kv_cache(*state["caches"], k, v, slots, **scales)
-            return state["caches"]
+        def write(state=state):  # the pools (and scale caches) are donated: carry the written ones
+            out = pa.write_kv_cache(*state["caches"], k, v, slots, **state["scales"])
+            state["caches"] = out[:2]
+            if len(out) == 4:
+                state["scales"] = dict(k_scale=out[2], v_scale=out[3])
+            return out
 
         fns.append(write)
-        args.append((k, v, slots))
-    bf16, fp8 = common.interleaved(fns, args)
-    return {"tokens": tokens, "pool_tokens": pool_tokens, "us_bf16": common.median(bf16) * 1e6,
-            "us_e4m3": common.median(fp8) * 1e6, "e4m3_over_bf16": common.median(fp8) / common.median(bf16)}
+    times = common.interleaved(fns, [()] * len(fns))
+    us = {name: common.median(t) * 1e6 for name, t in zip(cases, times)}
+    return {"tokens": tokens, "pool_tokens": pool_tokens, "us": us,
+            "over_bf16": {name: t / us["bf16"] for name, t in us.items() if name != "bf16"}}
 
 
 def main(argv=None):
