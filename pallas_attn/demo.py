@@ -14,7 +14,8 @@ What it does, in the order of a serving step (metadata → cache write → kerne
    through `BatchMetadata.slot_mapping`.
 3. Every kernel that exists runs on that batch: `varlen_attention` on the fresh prefills (packed, contiguous
    K/V), `paged_decode_attention` on the decode requests (single pass, split-KV, fixed split size),
-   `paged_attention` on the whole mixed batch (single pass and split-KV), `merge_attention_states` on two
+   `paged_attention` on the whole mixed batch (single pass and split-KV, and over an e4m3 cache with per-tensor and
+   with per-token scales), `merge_attention_states` on two
    halves of the decode keys obtained with `return_lse=True`, and `sparse_mla_attention` on a small MLA latent
    cache when `pallas_attn` has it.
 4. Each output is compared with `pallas_attn.reference` (float32 oracles) by relative L2 over the real rows,
@@ -61,7 +62,7 @@ HEAD_DIM = 64
 BLOCK_SIZE = 16
 FREE_BLOCKS = 5  # pages of the pool no request owns (poisoned)
 SPLITS = 3  # split-KV segments of the split cases
-SPLIT_SIZE = 64  # tokens per segment of the batch-invariant case (a multiple of every default block_n)
+SPLIT_SIZE = 128  # tokens per segment of the batch-invariant case: a multiple of the default block_n at every dtype
 MERGE_AT = 64  # the merge case splits each decode's keys at this position (a multiple of BLOCK_SIZE)
 
 # Sparse MLA: DeepSeek's latent layout, 576 = 512 latent + 64 rope dims, one KV head shared by all query heads.
@@ -283,6 +284,28 @@ def paged_cases(b: Batch) -> list[Case]:
     ]
 
 
+def fp8_cases(b: Batch) -> list[Case]:
+    """`paged_attention` on the whole batch over e4m3 copies of the cache (`reference.quantize_kv`: what
+    `write_kv_cache` stores), with per-tensor scales (the cache's largest magnitude at the top of the format) and
+    with per-(token, head) scale caches; the slots no request owns stay NaN, and so do their scales."""
+    md, fmt = b.md, jnp.float8_e4m3fn
+    top = float(jnp.finfo(fmt).max)
+    tables, seq_lens, cu = (jnp.asarray(x) for x in (md.block_tables, md.seq_lens, md.cu_query_lens))
+    cases = []
+    for name, scale_of in (("per-tensor scales", lambda c: jnp.nanmax(jnp.abs(c.astype(jnp.float32))) / top),
+                           ("per-token scales", lambda c: reference.kv_scales_per_token_head(c, fmt))):
+        ks, vs = scale_of(b.k_cache), scale_of(b.v_cache)
+        k8, v8 = reference.quantize_kv(b.k_cache, ks, fmt), reference.quantize_kv(b.v_cache, vs, fmt)
+        args = (b.q, k8, v8, tables, seq_lens, cu)
+        cases.append(Case(
+            "paged_attention", f"e4m3 cache, {name}", f"{_shape('q', b.q)} {_shape('cache', k8)}",
+            run=lambda args=args, ks=ks, vs=vs: pallas_attn.paged_attention(
+                *args, max_query_len=md.max_query_len, num_splits=SPLITS, k_scale=ks, v_scale=vs),
+            ref=lambda args=args, ks=ks, vs=vs: reference.paged_attention(*args, k_scale=ks, v_scale=vs),
+            valid=b.num_real_tokens))
+    return cases
+
+
 def merge_cases(b: Batch) -> list[Case]:
     """Each decode's keys split at `MERGE_AT` into two kernel calls (`return_lse=True`), then merged.
 
@@ -374,7 +397,7 @@ def sparse_cases(rng: np.random.Generator, dtype, seed: int) -> list[Case]:
 
 def collect_cases(b: Batch, rng: np.random.Generator, dtype, seed: int) -> tuple[list[Case], list[str]]:
     """Every case of every kernel this version of `pallas_attn` has, and a line for each kernel it lacks."""
-    cases = varlen_cases(b) + decode_cases(b) + paged_cases(b) + merge_cases(b)
+    cases = varlen_cases(b) + decode_cases(b) + paged_cases(b) + fp8_cases(b) + merge_cases(b)
     skipped = []
     if hasattr(pallas_attn, "sparse_mla_attention"):
         cases += sparse_cases(rng, dtype, seed)

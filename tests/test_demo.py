@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_attn import __main__ as cli, demo
+from pallas_attn.core.config import default_decode_config
 
 
 def test_demo_passes(capsys):
@@ -26,6 +27,14 @@ def test_demo_passes(capsys):
 
 def _case(run, ref):
     return demo.Case("fake_kernel", "fake case", "x[4,2,8]", run=run, ref=ref)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_split_size_fits_every_dtype(dtype):
+    """The demo runs in float32 here and in bfloat16 on a GPU: its fixed split size must be a multiple of the decode
+    tile of each (a split size that is not one is refused, and that case would report an error)."""
+    cfg = default_decode_config(demo.HEAD_DIM, demo.BLOCK_SIZE, jnp.dtype(dtype).itemsize)
+    assert demo.SPLIT_SIZE % cfg.block_n == 0
 
 
 def test_run_case_flags_wrong_nan_and_raising_kernels():
