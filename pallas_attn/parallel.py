@@ -230,6 +230,8 @@ def context_parallel_decode(q, k_cache, v_cache, block_tables, seq_lens=None, *,
         on every device) or ``"psum"`` (``pmax`` + two ``psum`` s of rescaled partials).
       softmax_scale, softcap, k_scale, v_scale, num_splits, split_size, interpret, config: passed to each device's
         :func:`pallas_attn.paged_decode_attention` (split-KV inside a device composes with the split across them).
+        An FP8 cache's per-(token, head) scale caches are sharded as the caches are: ``f32[n, num_blocks_local,
+        block_size, num_kv_heads]`` (:func:`shard_paged_cache` of the global ones); scalar scales are shared.
       sinks: ``f32[num_q_heads]`` or None: applied once, to the merged state (each device's is sink-free). A window
         and ALiBi need absolute key positions, which a device's slice does not carry: they are not taken here.
       return_lse: also return the global ``f32[num_seqs, num_q_heads]`` LSE.

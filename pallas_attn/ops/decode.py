@@ -63,9 +63,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
         (the query sits at ``seq_lens[b] - 1``). With a left window only its keys are read and split, and pages
         wholly before it may already be freed (their table entries are never read).
       k_scale, v_scale: with an FP8 cache only (required there): float32 scalars (Python floats or ``[]``
-        arrays, traced or not: a new value does not recompile), finite and positive; the cache holds ``value /
-        scale`` (:func:`pallas_attn.write_kv_cache`). Dequantised inside the kernel: K's scale joins the softmax
-        scale, V's multiplies the output.
+        arrays, traced or not: a new value does not recompile), finite and positive, the cache holding ``value /
+        scale``; or per-(token, head) scale caches ``f32[num_blocks, block_size, num_kv_heads]``
+        (:func:`pallas_attn.allocate_kv_scales`, filled by :func:`pallas_attn.write_kv_cache`). Dequantised inside
+        the kernel: a scalar K scale joins the softmax scale and a V scale multiplies the output; per-token scales
+        multiply their keys' scores and their values' probabilities (docs/design.md#fp8-kv-caches).
       num_splits: split-KV segments per request (static Python int >= 1). None: heuristic from num_seqs ×
         num_kv_heads, the table's capacity ``max_blocks * block_size`` and the SM count; 1: single pass, no merge.
       split_size: fixed segment length in tokens (multiple of ``config.block_n``) instead of a count: outputs are
