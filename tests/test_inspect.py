@@ -20,6 +20,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from benchmarks.lab import fragment_probe
 from pallas_attn import __main__ as cli
 from pallas_attn.inspection import compiled, fragments, inspect_kernel, plot, render
 from pallas_attn.inspection.fragments import MmaEncoding
@@ -308,3 +309,22 @@ def test_cli_rejects_an_unknown_backend(capsys):
         cli.main(["inspect", "prefill", "--backend", "cuda"])
     assert exit_info.value.code == 2
     assert "--backend" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- the probe: observed on the device
+PROBE_CASES = (*fragment_probe.TRITON_CASES, *fragment_probe.MOSAIC_CASES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PROBE_CASES, ids=[c.name for c in PROBE_CASES])
+def test_probe_observes_the_inspected_map(case):
+    """Every thread of a Pallas Triton and a Mosaic GPU kernel writes its own id into the accumulator elements it
+    holds; what they wrote is the fragment map ``inspect`` derives (benchmarks/lab/fragment_probe.py)."""
+    row = fragment_probe.observe(case)
+    assert row["verdict"] == "PASS", row["mismatches"]
+
+
+def test_probes_lower_for_sm90(capsys):
+    """On a CPU: both kinds of probe lower for sm_90 (and the Triton ones compile where the triton wheel is)."""
+    assert fragment_probe.check_offline() == 0
+    assert capsys.readouterr().out.count("mosaic-wgmma") == len(fragment_probe.MOSAIC_CASES)

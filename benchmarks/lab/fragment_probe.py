@@ -175,29 +175,33 @@ def _inputs(args, key: int = 0):
     return [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, args)]
 
 
-def run_on_gpu() -> int:
-    from benchmarks.lab import common
-
-    rows, failed = [], 0
-    for case in TRITON_CASES:
+def observe(case: TritonCase | MosaicCase) -> dict:
+    """Run ``case``'s probe (on a GPU) and compare what each element's holder wrote with the inspected map: a dict
+    with ``verdict`` "PASS" / "FAIL", the first ``mismatches``, and the ``observed`` / ``expected`` thread ids."""
+    if isinstance(case, TritonCase):
         m, note = triton_expected(case)
         fn, args = triton_probe(case)
         observed = np.asarray(jax.jit(fn)(*_inputs(args)))
         expected = expected_threads(m)
         bad = compare(observed, expected)
-        rows.append(dict(case=case.name, layout=note, instruction=m.instruction, verdict="PASS" if not bad else "FAIL",
-                         mismatches=bad, observed=observed.tolist(), expected=expected))
-    for case in MOSAIC_CASES:
+    else:
         m = mosaic_expected(case)
+        note = m.source
         fn, args = mosaic_probe(case)
         observed = np.asarray(jax.jit(fn)(*_inputs(args)))  # [warpgroups, 64, N]
         bad, expected = [], []
         for g in range(case.warpgroups):
             expected.append(expected_threads(m, offset=fragments.WARPGROUP_THREADS * g))
             bad += [f"warpgroup {g} {x}" for x in compare(observed[g], expected[-1])]
-        rows.append(dict(case=case.name, layout=m.source, instruction=m.instruction,
-                         verdict="PASS" if not bad else "FAIL", mismatches=bad[:8], observed=observed.tolist(),
-                         expected=expected))
+    return dict(case=case.name, layout=note, instruction=m.instruction, verdict="PASS" if not bad else "FAIL",
+                mismatches=bad[:8], observed=observed.tolist(), expected=expected)
+
+
+def run_on_gpu() -> int:
+    from benchmarks.lab import common
+
+    rows = [observe(case) for case in (*TRITON_CASES, *MOSAIC_CASES)]
+    failed = 0
     for row in rows:
         failed += row["verdict"] == "FAIL"
         print(f"{row['verdict']}  {row['case']:36s} {row['instruction']:20s} {row['layout']}")
