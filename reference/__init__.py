@@ -10,6 +10,7 @@ plain indexing, masks from absolute positions. They read lengths and page tables
     paged_decode_attention  one query per request over a paged KV cache
     paged_attention         ragged queries over a paged KV cache (decode, verification, chunked/fresh prefill)
     sparse_mla_attention    top-k sparse attention over a shared MLA latent cache (576 = 512 + 64)
+    mla_attention           dense attention over the same latent cache (DeepSeek-V3 decode and multi-token steps)
     merge_attention_states  split-KV merge of (out, lse) states; pure jnp
     quantize_kv, dequantize_kv  what an FP8 paged cache stores for a value and reads back (per-tensor scale,
                             or per token and head)
@@ -24,6 +25,7 @@ from .attention import (
     dequantize_kv,
     kv_scales_per_token_head,
     merge_attention_states,
+    mla_attention,
     paged_attention,
     paged_decode_attention,
     quantize_kv,
@@ -36,6 +38,7 @@ __all__ = [
     "dequantize_kv",
     "kv_scales_per_token_head",
     "merge_attention_states",
+    "mla_attention",
     "paged_attention",
     "paged_decode_attention",
     "quantize_kv",

@@ -498,6 +498,40 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
     return _finish(out, lse, return_lse)
 
 
+def mla_attention(q, kv_cache, block_tables, seq_lens, cu_query_lens=None, *, max_query_len=1, kv_lora_rank=512,
+                  softmax_scale=None, num_splits=None, split_size=None, sinks=None, return_lse=False, interpret=None):
+    """Dense attention over an MLA latent cache (DeepSeek-V3 / Kimi-K2 with absorbed queries): every query head
+    attends to every key of its request, the latent rows of one KV head shared by all heads.
+
+    q: [T, H, Dqk] (Dqk = 576 = 512 latent + 64 rope); kv_cache: [num_blocks, block_size, Dqk];
+    block_tables: i32[B, max_blocks]; seq_lens: i32[B] (every key, the new tokens included, already in the cache);
+    cu_query_lens: i32[B + 1], or None meaning token t is the single query of request t (T == B: decode).
+
+    Keys are the rows' full Dqk dims, values their first `kv_lora_rank` dims. Request b's q_len new tokens are the
+    last of its seq_lens[b] keys, causal among themselves: this is `paged_attention` with one KV head of dim Dqk
+    whose values are the keys' first `kv_lora_rank` dims, and every rule of `paged_attention` on rows, lengths and
+    pages holds (rows no request owns give zeros and lse -inf; lengths clamped to the table's capacity; keys on a
+    page id outside [0, num_blocks) masked). `softmax_scale=None` means 1 / sqrt(Dqk). `sinks` (f32[H]): see the
+    module docstring. Returns out f32[T, H, kv_lora_rank] (and lse f32[T, H], over the keys only).
+    `max_query_len`, `num_splits`, `split_size`, `interpret` are ignored.
+    """
+    del max_query_len, num_splits, split_size, interpret
+    q, kv_cache = jnp.asarray(q), jnp.asarray(kv_cache)
+    if q.ndim != 3 or kv_cache.ndim != 3 or q.shape[-1] != kv_cache.shape[-1]:
+        raise ValueError(f"q must be [T, H, Dqk] and kv_cache [num_blocks, block_size, Dqk] with one Dqk; got "
+                         f"{q.shape} and {kv_cache.shape}")
+    if not 0 < kv_lora_rank <= q.shape[-1]:
+        raise ValueError(f"kv_lora_rank must be in [1, Dqk = {q.shape[-1]}]; got {kv_lora_rank}")
+    if cu_query_lens is None:
+        if np.asarray(block_tables).shape[0] != q.shape[0]:
+            raise ValueError(f"cu_query_lens=None needs one token per request: T = {q.shape[0]} vs "
+                             f"block_tables.shape[0] = {np.asarray(block_tables).shape[0]}")
+        cu_query_lens = np.arange(q.shape[0] + 1)
+    latent = kv_cache[:, :, None, :]  # [num_blocks, block_size, 1, Dqk]: the one KV head
+    return paged_attention(q, latent, latent[..., :kv_lora_rank], block_tables, seq_lens, cu_query_lens,
+                           softmax_scale=softmax_scale, sinks=sinks, return_lse=return_lse)
+
+
 @jax.jit
 def merge_attention_states(outs, lses, sinks=None):
     """Merges attention states computed over disjoint key subsets (the split-KV reduction).

@@ -363,6 +363,80 @@ def test_sparse_mla_attention(case):
     assert_matches(got, want_out, want_lse)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# mla_attention (dense over the latent cache)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaCase:
+    name: str
+    seq_lens: tuple[int, ...]  # keys per request, its new tokens included
+    q_lens: tuple[int, ...] | None  # None: one query per request, cu_query_lens=None
+    num_heads: int
+    block_size: int
+    head_dim: int = 576
+    kv_lora_rank: int = 512
+    pad_rows: int = 0
+    sinks: bool = False
+
+
+MLA_CASES = [
+    MlaCase("decode_576", (20, 7, 33, 1), None, 4, 8),
+    MlaCase("mtp_q2_576", (10, 15, 2, 9), (2, 2, 2, 2), 2, 4, pad_rows=2),
+    MlaCase("mixed_q_lens", (12, 5, 0, 9), (3, 1, 0, 4), 2, 16, pad_rows=1, sinks=True),
+    MlaCase("small_dims_block_1", (6, 3), (2, 1), 4, 1, head_dim=80, kv_lora_rank=64),
+]
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: c.name)
+def test_mla_attention(case):
+    """Every head of a request's new token t (at position seq_len - q_len + t) attends to every key up to it:
+    rows of the shared latent cache, keys their Dqk dims, values their first kv_lora_rank; poison elsewhere."""
+    rng = np.random.default_rng(5)
+    (kv_cache, _), tables = build_paged_cache(rng, case.seq_lens, case.block_size, (case.head_dim,))
+    q_lens = case.q_lens or (1,) * len(case.seq_lens)
+    num_real = sum(q_lens)
+    q = randn(rng, num_real + case.pad_rows, case.num_heads, case.head_dim)
+    q[num_real:] = np.nan
+    cu = None if case.q_lens is None else np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    sinks = randn(rng, case.num_heads) if case.sinks else None
+    got = ref.mla_attention(q, kv_cache, tables, np.asarray(case.seq_lens, np.int32), cu,
+                            kv_lora_rank=case.kv_lora_rank, sinks=sinks, return_lse=True)
+
+    scale = scale_of(None, case.head_dim)
+    want_out = np.zeros((q.shape[0], case.num_heads, case.kv_lora_rank))
+    want_lse = np.full(q.shape[:2], -np.inf)
+    t = 0
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, case.seq_lens)):
+        for i in range(q_len):
+            rows = [lookup(kv_cache, tables[b], p) for p in range(seq_len - q_len + i + 1)]
+            for h in range(case.num_heads):
+                o, lse = brute_attend(q[t, h].astype(np.float64), rows, [r[:case.kv_lora_rank] for r in rows], scale)
+                if o is not None and sinks is not None:  # one more logit in the denominator, with no value
+                    o = o / (1 + math.exp(float(sinks[h]) - lse))
+                if o is not None:
+                    want_out[t, h] = o
+                want_lse[t, h] = lse
+            t += 1
+    assert_matches(got, want_out, want_lse)
+
+
+def test_mla_decode_equals_sparse_over_every_position():
+    """Dense decode is top-k sparse attention whose indices are every position of the request."""
+    rng = np.random.default_rng(6)
+    seq_lens = (9, 17, 1)
+    (kv_cache, _), tables = build_paged_cache(rng, seq_lens, 8, (576,))
+    q = randn(rng, 3, 4, 576)
+    topk = np.full((3, max(seq_lens)), -1, np.int32)
+    for b, n in enumerate(seq_lens):
+        topk[b, :n] = np.arange(n)
+    dense = ref.mla_attention(q, kv_cache, tables, np.asarray(seq_lens, np.int32), return_lse=True)
+    sparse = ref.sparse_mla_attention(q, kv_cache, tables, topk, return_lse=True)
+    for got, want in zip(dense, sparse):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def test_sparse_default_scale_is_full_qk_dim():
     """softmax_scale=None means 1/sqrt(576), not 1/sqrt(kv_lora_rank)."""
     rng = np.random.default_rng(5)
@@ -493,6 +567,13 @@ ERROR_CASES = [
     pytest.param(lambda: ref.sparse_mla_attention(_Q, np.ones((4, 4, 16)), _TABLE[:1], [[0], [1]],
                                                   kv_lora_rank=8), "one token per request",
                  id="no_cu_needs_one_token_per_request"),
+    pytest.param(lambda: ref.mla_attention(_Q, np.ones((4, 4, 16)), _TABLE[:1], [1], kv_lora_rank=8),
+                 "one token per request",
+                 id="mla_no_cu_needs_one_token_per_request"),
+    pytest.param(lambda: ref.mla_attention(_Q, np.ones((4, 4, 16)), _TABLE, [1, 1], kv_lora_rank=17),
+                 r"kv_lora_rank must be in \[1, Dqk = 16\]", id="mla_rank_past_dqk"),
+    pytest.param(lambda: ref.mla_attention(_Q, np.ones((4, 4, 8)), _TABLE, [1, 1], kv_lora_rank=8),
+                 "one Dqk", id="mla_dims_differ"),
 ]
 
 
