@@ -194,8 +194,8 @@ def as_fp8_pairs(cache):
     """An FP8 cache ``[..., D]`` as ``uint16[..., D/2]``, each element two neighbouring head dims (a free bitcast).
 
     The paged kernels read FP8 pages this way: the tiles are 16-bit, so they are copied and laid out for the dots as
-    bf16 tiles are, where an FP8 tile is read from shared memory one byte at a time (256 ``ld.shared.b8`` a thread
-    per 128-key tile of D1, ``tools/offline_compile.py``), and :func:`fp8_pairs` converts two dims with one
+    bf16 tiles are, where an FP8 tile is read from shared memory one byte at a time (``ld.shared.b8``: see
+    ``pallas-attn inspect`` and docs/performance.md#fp8-kv-caches), and :func:`fp8_pairs` converts two dims with one
     instruction."""
     return jax.lax.bitcast_convert_type(cache.reshape(*cache.shape[:-1], cache.shape[-1] // 2, 2), jnp.uint16)
 

@@ -1,7 +1,7 @@
 """What ``pallas-attn inspect`` looks at: a kernel, on a standard workload's shapes, with the backend the H200 would
 run it on; and what the Mosaic GPU kernels declare about themselves where their compiled code cannot be read.
 
-The workloads are the benchmark harness's (``benchmarks/workloads.py``, docs/design.md §4), read from the source
+The workloads are the benchmark harness's (``benchmarks/workloads.py``, benchmarks/README.md), read from the source
 checkout: the package holds no second copy of their shapes. Only shapes are built (``jax.ShapeDtypeStruct``), never
 arrays, so P1's 29,184 tokens cost nothing; the call is the one the harness makes (``benchmarks/impls.py``).
 """
