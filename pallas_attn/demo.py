@@ -289,10 +289,9 @@ def fp8_cases(b: Batch) -> list[Case]:
     `write_kv_cache` stores), with per-tensor scales (the cache's largest magnitude at the top of the format) and
     with per-(token, head) scale caches; the slots no request owns stay NaN, and so do their scales."""
     md, fmt = b.md, jnp.float8_e4m3fn
-    top = float(jnp.finfo(fmt).max)
     tables, seq_lens, cu = (jnp.asarray(x) for x in (md.block_tables, md.seq_lens, md.cu_query_lens))
     cases = []
-    for name, scale_of in (("per-tensor scales", lambda c: jnp.nanmax(jnp.abs(c.astype(jnp.float32))) / top),
+    for name, scale_of in (("per-tensor scales", lambda c: reference.kv_scale_per_tensor(c, fmt)),
                            ("per-token scales", lambda c: reference.kv_scales_per_token_head(c, fmt))):
         ks, vs = scale_of(b.k_cache), scale_of(b.v_cache)
         k8, v8 = reference.quantize_kv(b.k_cache, ks, fmt), reference.quantize_kv(b.v_cache, vs, fmt)

@@ -15,6 +15,7 @@ plain indexing, masks from absolute positions. They read lengths and page tables
     quantize_kv, dequantize_kv  what an FP8 paged cache stores for a value and reads back (per-tensor scale,
                             or per token and head)
     kv_scales_per_token_head  the per-(token, head) scales write_kv_cache computes
+    kv_scale_per_tensor     a per-tensor scale calibrated on a tensor's largest magnitude
 
 Shape glossary: T num_tokens, B num_seqs, Hq num_q_heads, Hkv num_kv_heads, D head_dim, block_size,
 max_blocks, topk, S num_splits.
@@ -23,6 +24,7 @@ max_blocks, topk, S num_splits.
 from .attention import (
     FP8_DTYPES,
     dequantize_kv,
+    kv_scale_per_tensor,
     kv_scales_per_token_head,
     merge_attention_states,
     mla_attention,
@@ -36,6 +38,7 @@ from .attention import (
 __all__ = [
     "FP8_DTYPES",
     "dequantize_kv",
+    "kv_scale_per_tensor",
     "kv_scales_per_token_head",
     "merge_attention_states",
     "mla_attention",

@@ -91,6 +91,17 @@ def kv_scales_per_token_head(x, dtype):
     return jnp.maximum(amax / float(jnp.finfo(dtype).max), SCALE_FLOOR)
 
 
+def kv_scale_per_tensor(x, dtype):
+    """``f32[]``: a per-tensor scale calibrated on ``x`` as a deployment calibrates on sample activations: the
+    largest finite magnitude (NaN ignored) over the format's largest finite value, so that magnitude is stored at
+    the top of the format; ``SCALE_FLOOR`` for a tensor of zeros."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
+    amax = jnp.nanmax(jnp.abs(jnp.asarray(x, jnp.float32)))
+    return jnp.maximum(amax / float(jnp.finfo(dtype).max), SCALE_FLOOR)
+
+
 def quantize_kv(x, scale, dtype):
     """``dtype[...]``: what an FP8 cache stores for ``x [..., head_dim]`` (`write_kv_cache` with
     ``k_scale``/``v_scale``): ``x / scale`` in float32, saturated to the format's finite range (a finite value never

@@ -50,6 +50,17 @@ def test_write_stores_what_the_reference_quantizes(dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
+def test_per_tensor_calibration(dtype):
+    """``kv_scale_per_tensor`` puts the largest finite magnitude at the top of the format (NaN ignored), which
+    ``quantize_kv`` then stores exactly."""
+    x = jnp.array([[0.5, -3.0], [jnp.nan, 1.0]], jnp.float32)
+    scale = reference.kv_scale_per_tensor(x, dtype)
+    assert float(scale) == float(np.float32(3.0) / np.float32(jnp.finfo(dtype).max))
+    assert float(reference.dequantize_kv(reference.quantize_kv(x, scale, dtype), scale)[0, 1]) == -3.0
+    assert float(reference.kv_scale_per_tensor(jnp.zeros(4), dtype)) > 0
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
 def test_write_per_token_head_scales(dtype, rng):
     """Scale caches: each written row gets its own scale (its largest magnitude over the format's largest finite
     value, ``reference.kv_scales_per_token_head``) and stores ``row / scale``; the other slots and their scales are
@@ -341,8 +352,7 @@ def _needle_weight(rng, num_keys: int, fmt) -> tuple[float, float]:
     v[page, slot, 0] = np.eye(d)[0]
     q, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     bt, sl = jnp.asarray(table), jnp.asarray([num_keys], jnp.int32)
-    finite = float(jnp.finfo(fmt).max)
-    ks, vs = (jnp.max(jnp.abs(x.astype(jnp.float32))) / finite for x in (kb, vb))
+    ks, vs = reference.kv_scale_per_tensor(kb, fmt), reference.kv_scale_per_tensor(vb, fmt)
     k8, v8 = reference.quantize_kv(kb, ks, fmt), reference.quantize_kv(vb, vs, fmt)
     bf16 = float(pa.paged_decode_attention(q, kb, vb, bt, sl)[0, 0, 0])
     fp8 = float(pa.paged_decode_attention(q, k8, v8, bt, sl, k_scale=ks, v_scale=vs)[0, 0, 0])

@@ -192,7 +192,7 @@ def write(cache, k, v, slot_mapping):
         return pallas_attn.write_kv_cache(*cache, k, v, slot_mapping)
     k_cache, v_cache, k_scale, v_scale = cache
     if k_scale is None:
-        k_scale, v_scale = (jnp.max(jnp.abs(x)) / float(jnp.finfo(k_cache.dtype).max) for x in (k, v))
+        k_scale, v_scale = (pallas_attn.reference.kv_scale_per_tensor(x, k_cache.dtype) for x in (k, v))
     out = pallas_attn.write_kv_cache(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return out if len(out) == 4 else (*out, k_scale, v_scale)
 

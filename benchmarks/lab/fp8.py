@@ -32,11 +32,6 @@ FORMATS = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 BLOCK = 16
 
 
-def _amax_scale(x, dtype):
-    """The per-tensor scale ``amax / finfo.max``, never 0."""
-    return jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32))), 1e-12) / float(jnp.finfo(dtype).max)
-
-
 def _case(name: str, rng: np.random.Generator, needle_keys: int):
     """``(q [B, Hq, D], k_cache, v_cache [pages, BLOCK, Hkv, D] f32, block_tables, seq_lens)``."""
     hq, hkv, d = 32, 8, 128
@@ -78,7 +73,7 @@ def accuracy(needle_keys: int) -> list[dict]:
         kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
         base = np.asarray(pa.paged_decode_attention(q, kb, vb, bt, sl), np.float32)
         for fmt in FORMATS:
-            ks, vs = _amax_scale(kb, fmt), _amax_scale(vb, fmt)
+            ks, vs = reference.kv_scale_per_tensor(kb, fmt), reference.kv_scale_per_tensor(vb, fmt)
             k8, v8 = reference.quantize_kv(kb, ks, fmt), reference.quantize_kv(vb, vs, fmt)
             tensor = np.asarray(pa.paged_decode_attention(q, k8, v8, bt, sl, k_scale=ks, v_scale=vs), np.float32)
             kt, vt = reference.kv_scales_per_token_head(kb, fmt), reference.kv_scales_per_token_head(vb, fmt)
