@@ -115,6 +115,13 @@ class Spec:
         return jnp.dtype(self.kv_dtype or self.dtype)
 
     @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one key's (or value's) row for one KV head: its elements, and with per-(token, head) FP8
+        scales its float32 scale."""
+        return self.head_dim * self.kv_jnp_dtype.itemsize + (4 if self.kv_dtype and self.kv_scale_mode == "token"
+                                                             else 0)
+
+    @property
     def features(self) -> frozenset[str]:
         """The model-family features in use, by keyword of the public functions (:data:`FEATURE_KWARGS`)."""
         used = {"window_size": self.window_size != (-1, -1), "softcap": bool(self.softcap),
@@ -416,9 +423,7 @@ class HostBatch:
         item = s.jnp_dtype.itemsize
         if s.kind == "sparse":
             return float(int(np.sum(self.topk_indices >= 0)) * s.head_dim * item)
-        # a key's row per head, K and V, and with per-(token, head) scales their float32 scale each
-        row = s.head_dim * s.kv_jnp_dtype.itemsize + (4 if s.kv_dtype and s.kv_scale_mode == "token" else 0)
-        kv = int(np.sum(self.keys_read())) * s.num_kv_heads * 2 * row
+        kv = int(np.sum(self.keys_read())) * s.num_kv_heads * 2 * s.kv_row_bytes
         q_out = 2 * self.num_tokens * s.num_q_heads * s.head_dim * item
         return float(kv + q_out)
 
@@ -442,8 +447,7 @@ class HostBatch:
         pages = self.num_pages
         if touched and s.window_left >= 0:  # the pages of each request's keys_read, a window straddling one more
             pages = int(np.sum(np.minimum(-(-self.seq_lens // s.block_size), -(-self.keys_read() // s.block_size) + 1)))
-        row = s.head_dim * s.kv_jnp_dtype.itemsize + (4 if s.kv_dtype and s.kv_scale_mode == "token" else 0)
-        return q + 2 * pages * s.block_size * s.num_kv_heads * row
+        return q + 2 * pages * s.block_size * s.num_kv_heads * s.kv_row_bytes
 
 
 def _keys_before(n: np.ndarray, left: int) -> np.ndarray:
