@@ -2,8 +2,9 @@
 
 Pallas GPU kernels for JAX (Triton backend; Mosaic GPU on Hopper for prefill and sparse MLA, docs/design.md#backends):
 packed varlen prefill, paged decode with split-KV, ragged paged attention for mixed prefill / decode / verification
-batches, and top-k sparse MLA attention. Every function is pure, works under ``jax.jit``, runs compiled on a GPU
-and interpreted on CPU, and has a pure-jnp oracle of the same signature in :mod:`pallas_attn.reference`.
+batches, dense and top-k sparse MLA over a paged latent cache. Every function is pure, works under ``jax.jit``, runs
+compiled on a GPU and interpreted on CPU, and has a pure-jnp oracle of the same signature in
+:mod:`pallas_attn.reference`.
 
 Shape glossary (one name per axis, used everywhere):
   num_tokens   packed query rows (T)            num_seqs     requests in the batch (B)
@@ -18,10 +19,11 @@ LSE convention: natural log, float32, ``-inf`` for a row that sees no key (its o
 from pallas_attn.checks import checked
 from pallas_attn.core.backend import BackendUnavailableError
 from pallas_attn.core.cache import allocate_kv_cache, allocate_kv_scales, write_kv_cache
-from pallas_attn.core.config import DecodeConfig, MosaicPrefillConfig, PrefillConfig, SparseConfig
+from pallas_attn.core.config import DecodeConfig, MLAConfig, MosaicPrefillConfig, PrefillConfig, SparseConfig
 from pallas_attn.core.metadata import BatchMetadata, build_metadata
 from pallas_attn.ops.decode import paged_decode_attention
 from pallas_attn.ops.merge import merge_attention_states
+from pallas_attn.ops.mla import mla_attention
 from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.sparse_mla import sparse_mla_attention
 from pallas_attn.ops.varlen import varlen_attention
@@ -41,8 +43,9 @@ except ImportError:  # a source checkout: load reference/ under the same name
     _spec.loader.exec_module(reference)
 
 __all__ = [
-    "BackendUnavailableError", "BatchMetadata", "DecodeConfig", "MosaicPrefillConfig", "PrefillConfig", "SparseConfig",
-    "allocate_kv_cache", "allocate_kv_scales", "build_metadata", "checked", "merge_attention_states", "paged_attention",
-    "paged_decode_attention", "reference", "sparse_mla_attention", "varlen_attention", "write_kv_cache",
+    "BackendUnavailableError", "BatchMetadata", "DecodeConfig", "MLAConfig", "MosaicPrefillConfig", "PrefillConfig",
+    "SparseConfig", "allocate_kv_cache", "allocate_kv_scales", "build_metadata", "checked", "merge_attention_states",
+    "mla_attention", "paged_attention", "paged_decode_attention", "reference", "sparse_mla_attention",
+    "varlen_attention", "write_kv_cache",
 ]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 The kernels validate shapes and dtypes at trace time, always. Values they cannot check for free: a ``cu_seqlens``
 that decreases, a request longer than the static ``max_seqlen`` (silently truncated), a block-table entry past the
 page pool (an out-of-bounds read on the GPU), a top-k index past the request's keys. ``checked`` wraps one of the
-four public kernels in a function of the same signature that first runs those rules as
+five public kernels in a function of the same signature that first runs those rules as
 :mod:`jax.experimental.checkify` checks inside a small jitted program, raises a readable error naming the argument
 and the offending request / index, and only then calls the untouched kernel. Nothing changes when you do not use it
 (zero cost when off); with it, each call pays one extra tiny launch and a host sync: a debug mode, not a hot path.
@@ -12,7 +12,7 @@ Rules (``B`` requests, ``T`` packed rows, ``bs`` = block_size; the kernel's stat
 
 * ``cu_seqlens`` / ``cu_query_lens``: ``[0] == 0``, non-decreasing, ``[-1] <= T``; each length ``<=`` the static
   maximum (``max_seqlen`` / ``max_query_len``).
-* ``seq_lens``: ``>= 0``; ``q_len <= seq_len`` (ragged paged attention).
+* ``seq_lens``: ``>= 0``; ``q_len <= seq_len`` (ragged paged attention, dense MLA with ``cu_query_lens``).
 * ``block_tables``: wide enough (``cdiv(len, bs) <= max_blocks``) and entries ``[b, :cdiv(len, bs)]`` in
   ``[0, num_blocks)``. Entries past a request's last page are never read, so they may hold anything.
 * ``topk_indices`` (sparse MLA, real tokens only): ``>= -1``; ``< seq_lens[request]`` when ``seq_lens`` is given,
@@ -61,9 +61,16 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from pallas_attn.core.metadata import token_requests
-from pallas_attn.ops import decode as decode_ops, paged as paged_ops, sparse_mla as sparse_ops, varlen as varlen_ops
+from pallas_attn.ops import (
+    decode as decode_ops,
+    mla as mla_ops,
+    paged as paged_ops,
+    sparse_mla as sparse_ops,
+    varlen as varlen_ops,
+)
 from pallas_attn.ops.common import renamed_argument
 from pallas_attn.ops.decode import paged_decode_attention
+from pallas_attn.ops.mla import mla_attention
 from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.sparse_mla import sparse_mla_attention
 from pallas_attn.ops.varlen import varlen_attention
@@ -172,16 +179,28 @@ def _decode_rules(a) -> jax.Array:
             & _check_pages(seq_lens, a["block_tables"], k_cache.shape[0], k_cache.shape[1], "seq_lens"))
 
 
-def _paged_rules(a) -> jax.Array:
-    seq_lens, k_cache = a["seq_lens"], a["k_cache"]
+def _check_new_tokens(a) -> jax.Array:
+    """``cu_query_lens`` and ``seq_lens`` of a batch of new tokens over a paged cache: each request's new tokens
+    are among its keys."""
+    seq_lens = a["seq_lens"]
     ok, q_lens = _check_cu("cu_query_lens", a["cu_query_lens"], a["q"].shape[0], a["max_query_len"])
     ok &= _check_nonneg("seq_lens", seq_lens)
     over = q_lens > seq_lens
     b = _first(over)
-    ok &= _require(over, "request {b} has q_len={n} new tokens > seq_lens[{b}]={s} keys (its new tokens must "
-                         "already be in the cache)", b=b, n=_at(q_lens, b), s=_at(seq_lens, b))
-    ok &= _check_kv_scales(a)
+    return ok & _require(over, "request {b} has q_len={n} new tokens > seq_lens[{b}]={s} keys (its new tokens "
+                               "must already be in the cache)", b=b, n=_at(q_lens, b), s=_at(seq_lens, b))
+
+
+def _paged_rules(a) -> jax.Array:
+    seq_lens, k_cache = a["seq_lens"], a["k_cache"]
+    ok = _check_new_tokens(a) & _check_kv_scales(a)
     return ok & _check_pages(seq_lens, a["block_tables"], k_cache.shape[0], k_cache.shape[1], "seq_lens")
+
+
+def _mla_rules(a) -> jax.Array:
+    seq_lens, kv_cache = a["seq_lens"], a["kv_cache"]
+    ok = _check_nonneg("seq_lens", seq_lens) if a["cu_query_lens"] is None else _check_new_tokens(a)
+    return ok & _check_pages(seq_lens, a["block_tables"], kv_cache.shape[0], kv_cache.shape[1], "seq_lens")
 
 
 def _sparse_rules(a) -> jax.Array:
@@ -260,6 +279,11 @@ _SPECS: dict[Callable, _Spec] = {
                                                          a.get("k_scale"), a.get("v_scale")),
                            ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_query_lens", "alibi_slopes",
                             "sinks", "k_scale", "v_scale")),
+    mla_attention: _Spec(_mla_rules,
+                         lambda a: mla_ops._validate(*(a[k] for k in ("q", "kv_cache", "block_tables", "seq_lens",
+                                                                      "cu_query_lens", "kv_lora_rank",
+                                                                      "max_query_len"))),
+                         ("q", "kv_cache", "block_tables", "seq_lens", "cu_query_lens", "sinks")),
     sparse_mla_attention: _Spec(_sparse_rules,
                                 lambda a: sparse_ops._validate(*(a[k] for k in (
                                     "q", "kv_cache", "block_tables", "topk_indices", "cu_query_lens", "seq_lens",
@@ -319,11 +343,12 @@ def _not_functionalized(name: str) -> ValueError:
 
 
 def checked(fn: Callable) -> Callable:
-    """``fn`` (one of the four public kernels) with its data rules checked first; same signature and outputs.
+    """``fn`` (one of the five public kernels) with its data rules checked first; same signature and outputs.
 
     Args:
       fn: :func:`~pallas_attn.varlen_attention`, :func:`~pallas_attn.paged_decode_attention`,
-        :func:`~pallas_attn.paged_attention` or :func:`~pallas_attn.sparse_mla_attention`.
+        :func:`~pallas_attn.paged_attention`, :func:`~pallas_attn.mla_attention` or
+        :func:`~pallas_attn.sparse_mla_attention`.
 
     Returns:
       A function with ``fn``'s signature that raises :class:`CheckError` when the data breaks a rule of this
@@ -332,7 +357,7 @@ def checked(fn: Callable) -> Callable:
       ``fn``'s own static errors (shapes, dtypes, static arguments) before checking any value.
 
     Raises:
-      TypeError: ``fn`` is not one of the four kernels.
+      TypeError: ``fn`` is not one of the five kernels.
       ValueError (when called): inside ``jax.jit`` without ``checkify.checkify`` around it; the message shows
         the pattern to use (this module's docstring).
     """

@@ -16,7 +16,7 @@ import pytest
 from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh
 
-from pallas_attn import paged_attention, paged_decode_attention, sparse_mla_attention, varlen_attention
+from pallas_attn import mla_attention, paged_attention, paged_decode_attention, sparse_mla_attention, varlen_attention
 
 S = jax.ShapeDtypeStruct
 BF16, I32 = jnp.bfloat16, jnp.int32
@@ -94,6 +94,22 @@ def test_wide_heads_and_pages(head_dim, block_size, dtype):
     ragged = functools.partial(paged_attention, max_query_len=512, interpret=False)
     assert _pallas_calls(_lower(ragged, S((1024, 16, head_dim), dtype), cache, cache, S((8, 64), I32), S((8,), I32),
                                 S((9,), I32))) >= 2
+
+
+@pytest.mark.parametrize("heads, max_query_len, sinks", [(16, 1, False), (128, 2, True)])  # L1, L2
+def test_mla(heads, max_query_len, sinks):
+    """Dense MLA at the harness's shapes: 16 heads decoding (one 16-row tile), 128 heads two tokens a step."""
+    batch = 128 if max_query_len == 1 else 64
+
+    def fn(q, kv_cache, block_tables, seq_lens, *rest):
+        cu = rest[0] if max_query_len > 1 else None
+        return mla_attention(q, kv_cache, block_tables, seq_lens, cu, max_query_len=max_query_len,
+                             sinks=rest[-1] if sinks else None, return_lse=True, interpret=False)
+
+    extra = ([S((batch + 1,), I32)] if max_query_len > 1 else []) + ([S((heads,), jnp.float32)] if sinks else [])
+    text = _lower(fn, S((batch * max_query_len, heads, 576), BF16), S((batch * 128, 64, 576), BF16),
+                  S((batch, 128), I32), S((batch,), I32), *extra)
+    assert _pallas_calls(text) >= 1
 
 
 @pytest.mark.parametrize("backend, sinks", [(None, False), ("triton", True), ("mosaic", True)])

@@ -52,6 +52,9 @@ WITHOUT_TRITON = textwrap.dedent("""
            "backend='triton'")
     raises(lambda: pa.varlen_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), cu,
                                        max_seqlen=70), "varlen_attention", "float32")
+    kv, _, btm = make_paged_kv(rng, [9, 30], 16, None, 576, jnp.bfloat16, max_blocks=2)
+    qm = jnp.asarray(rng.standard_normal((2, 16, 576)), jnp.bfloat16)
+    raises(lambda: pa.mla_attention(qm, kv, btm, lens), "mla_attention", "interpret mode")  # Mosaic: compiled only
     # no kernel, no backend needed
     empty = pa.paged_decode_attention(qd[:0], kc, vc, bt[:0], lens[:0])
     assert empty.shape == (0, 4, 64)

@@ -104,6 +104,28 @@ class SparseConfig:
         _check_pow2("value_splits", self.value_splits, hi=8)
 
 
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Dense MLA over a paged latent cache (:func:`pallas_attn.mla_attention`): ``block_n`` keys per tile (each
+    key's page read through the block table), ``block_h`` heads and ``block_q`` new tokens per program (None: as
+    many of a request's tokens as keep the tile at ``MLA_TILE_ROWS`` rows); the M dim of both dots is
+    ``block_q × block_h``, so every latent tile is read once for all of them."""
+    block_n: int = 64
+    block_h: int = 32
+    block_q: int | None = None
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        _check_launch(self)
+        _check_pow2("block_h", self.block_h, lo=1)
+        if self.block_q is not None:
+            _check_pow2("block_q", self.block_q)
+
+
+MLA_TILE_ROWS = 32  # tokens × heads of a dense MLA tile when block_q is not given (default_mla_config)
+
+
 # Measured winners (pallas_attn/core/tuned.py, written by `pallas-attn bench --sweep --write-tables`), keyed by
 # (device kind, padded head dim); sparse by (device kind, num_q_heads): docs/performance.md#tuned-tables.
 PREFILL_TABLE: dict[tuple[str, int], PrefillConfig] = {k: PrefillConfig(**v) for k, v in tuned.PREFILL.items()}
@@ -232,6 +254,15 @@ def default_mosaic_prefill_config(head_dim: int) -> MosaicPrefillConfig:
 def default_sparse_config(num_heads: int) -> SparseConfig:
     hit = _tuned(SPARSE_TABLE, num_heads)
     return hit if hit is not None else SparseConfig(block_h=min(64, max(16, next_pow2(num_heads))))
+
+
+def default_mla_config(num_heads: int, max_query_len: int) -> MLAConfig:
+    """Up to ``MLA_TILE_ROWS`` heads per program and as many of a request's tokens as fill that many rows, on 8
+    warps. At 576 / 512 dims a 64-row tile spills (a 64 × 512 float32 accumulator beside the 576-wide query), and
+    so does a 16-row one on 4 warps; 16 or 32 rows on 8 warps do not (``tools/offline_compile.py``)."""
+    block_h = min(MLA_TILE_ROWS, next_pow2(num_heads))
+    block_q = min(next_pow2(max(1, max_query_len)), max(1, MLA_TILE_ROWS // block_h))
+    return MLAConfig(block_h=block_h, block_q=block_q)
 
 
 def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, *, num_sms: int | None = None,

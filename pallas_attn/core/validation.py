@@ -189,6 +189,26 @@ SCALE_WANT = ("a float scalar (shape []: per tensor) or float32[num_blocks, bloc
               "and head)")
 
 
+def check_latent_cache(q, kv_cache, block_tables, kv_lora_rank: int) -> None:
+    """The MLA arguments (dense and sparse): absorbed queries ``[T, H, Dqk]`` over one shared latent head per
+    position ``[num_blocks, block_size, Dqk]``, values the first ``kv_lora_rank`` dims, an ``i32`` block table."""
+    check_rank("q", q, 3, "[num_tokens, num_heads, kv_lora_rank + rope_dim]")
+    check_rank("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
+    check_float("q", q)
+    if jnp.issubdtype(kv_cache.dtype, jnp.floating) and jnp.finfo(kv_cache.dtype).bits == 8:
+        raise TypeError(f"kv_cache is {kv_cache.dtype}: the MLA kernels read bf16 / fp16 / f32 latent caches only "
+                        f"(an FP8 latent cache is not supported)")
+    check_same_dtype(("q", "kv_cache"), q, kv_cache)
+    if kv_cache.shape[2] != q.shape[2]:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, {q.shape[2]}] (q's dim); "
+                         f"got {tuple(kv_cache.shape)}")
+    if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
+        raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
+    check_block_size(kv_cache.shape[1])
+    check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
+    check_int32("block_tables", block_tables)
+
+
 def check_kv_scale(name: str, scale, *, cache_rank: int = 4):
     """An FP8 cache scale (``stored = value / scale``): a float scalar (Python float, numpy or jax 0-d array, traced
     or not) → ``f32[]``, finite and positive where its value is known; or a float32 scale cache ``[num_blocks,

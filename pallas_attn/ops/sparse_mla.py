@@ -22,18 +22,7 @@ _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
 def _validate(q, kv_cache, block_tables, topk_indices, cu_query_lens, seq_lens, kv_lora_rank):
-    validation.check_rank("q", q, 3, "[num_tokens, num_heads, kv_lora_rank + rope_dim]")
-    validation.check_rank("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
-    validation.check_float("q", q)
-    validation.check_same_dtype(("q", "kv_cache"), q, kv_cache)
-    if kv_cache.shape[2] != q.shape[2]:
-        raise ValueError(f"kv_cache must be [num_blocks, block_size, {q.shape[2]}] (q's dim); "
-                         f"got {tuple(kv_cache.shape)}")
-    if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
-        raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
-    validation.check_block_size(kv_cache.shape[1])
-    validation.check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
-    validation.check_int32("block_tables", block_tables)
+    validation.check_latent_cache(q, kv_cache, block_tables, kv_lora_rank)
     validation.check_rank("topk_indices", topk_indices, 2, "i32[num_tokens, topk]")
     validation.check_int32("topk_indices", topk_indices)
     if topk_indices.shape[0] != q.shape[0]:
@@ -67,8 +56,10 @@ MOSAIC_DIMS = ((576, 512),)
 
 def default_backend(q, kv_lora_rank: int, interpret: bool) -> str:
     """``sparse_mla_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU where it applies and was
-    measured (576 / 512 dims), else "triton"."""
+    measured (576 / 512 dims, heads a multiple of 64), else "triton"."""
     if interpret or not backend_lib.is_hopper() or (q.shape[-1], kv_lora_rank) not in MOSAIC_DIMS:
+        return "triton"
+    if q.shape[1] % mosaic_sparse.BLOCK_H:  # fewer heads than a tile: Mosaic when asked, never measured as default
         return "triton"
     return "mosaic" if mosaic_sparse.supported(q, kv_lora_rank) is None else "triton"
 

@@ -72,14 +72,20 @@ MIN_SPLIT_TILES = 2
 MIN_TOPK_TILES_TO_SPLIT = 16
 
 
+def head_block(num_heads: int) -> int:
+    """Heads per program: 64 (one wgmma M tile), or all of them below 64 (the tile's other rows are computed and
+    never stored: dense MLA decode on a TP-8 shard has 16 heads, and the tile is read once for them)."""
+    return min(num_heads, BLOCK_H)
+
+
 def supported(q, kv_lora_rank: int) -> str | None:
     """None when this kernel applies to these inputs, else the reason it does not (any top-k: the memory
     warpgroup resolves it a tile at a time)."""
     num_heads, dim = q.shape[1:]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
-    if num_heads % BLOCK_H:
-        return f"{num_heads} heads (a multiple of {BLOCK_H})"
+    if num_heads % head_block(num_heads) or num_heads % 8:
+        return f"{num_heads} heads (a multiple of {BLOCK_H}, or of 8 below it: whole 8-row tiles)"
     if dim - kv_lora_rank != BLOCK_N or kv_lora_rank % TILE_COLS or not SCORE_COLS < kv_lora_rank <= 512:
         return (f"dims {dim}/{kv_lora_rank} (rope dims {BLOCK_N}: they carry P; value dims a multiple of "
                 f"{TILE_COLS} in ({SCORE_COLS}, 512]: the value warpgroup's accumulators fit its registers)")
@@ -229,10 +235,23 @@ def _wait_gathers():
 
 
 # ---------------------------------------------------------------------------------------------- kernel body
+def _tile_range(keys, split, *, split_tiles: int, num_splits: int, dense: bool):
+    """``(first, count)``: the tiles of a token's list this program walks. Sparse: ``split_tiles`` from
+    ``split · split_tiles`` (static). Dense: the tiles of the token's ``keys`` visible positions, in fixed segments
+    of ``split_tiles`` (a split size) or, with ``split_tiles == 0``, shared out evenly among ``num_splits``."""
+    if not dense:
+        return split * split_tiles, split_tiles
+    tiles = (keys + BLOCK_N - 1) // BLOCK_N
+    per = split_tiles if split_tiles else (tiles + num_splits - 1) // num_splits
+    first = split * per
+    return first, jnp.clip(tiles - first, 0, per)
+
+
 def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *refs, block_size: int,
             num_pages: int, scale2: float, col_blocks: tuple[tuple[int, int], ...], registers: tuple[int, int, int],
-            split_tiles: int, has_sinks: bool):
-    # refs: [sinks f32[H]] (with has_sinks), then o [splits, T, H, Dv], lse f32[splits, T, H], the scratch
+            split_tiles: int, num_splits: int, dense: bool, block_h: int, has_sinks: bool):
+    # refs: [sinks f32[max(H, 64)]] (with has_sinks), then o [splits, T, H, Dv], lse f32[splits, T, H], the scratch.
+    # Dense: topk_ref is one shared row of positions 0, 1, 2, ... and token_keys the token's visible keys.
     sinks_ref = refs[0] if has_sinks else None
     o_ref, lse_ref, scoped = refs[-3:]
     (qo, k_nope, k_rope, ring, stats), (q_bar, loaded, p_ready, consumed, l_ready) = scoped
@@ -243,8 +262,10 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
     dtype = q_ref.dtype
     kv_lora_rank = k_nope.shape[-1]
     req = token_req_ref[t]
-    num_tiles = jnp.where(req >= 0, split_tiles, 0)  # a padding token visits no tile
-    heads = pl.ds(g * BLOCK_H, BLOCK_H)
+    first_tile, count = _tile_range(token_keys_ref[t], split, split_tiles=split_tiles, num_splits=num_splits,
+                                    dense=dense)
+    num_tiles = jnp.where(req >= 0, count, 0)  # a padding token visits no tile
+    heads = pl.ds(g * block_h, block_h)  # the tile's first block_h rows; the rest (block_h < 64) are never stored
     q_smem, (o_smems, lse_smem) = qo
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     score_blocks, value_blocks = range(1), range(1, len(col_blocks))  # the score warpgroup's columns, the rest
@@ -268,12 +289,15 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
             o_smems[b][...] = softmax.normalize(acc, l_i).astype(dtype)
         plgpu.commit_smem()
         for b in blocks:
-            plgpu.copy_smem_to_gmem(o_smems[b], o_ref.at[split, t, heads, pl.ds(*col_blocks[b])])
+            plgpu.copy_smem_to_gmem(rows(o_smems[b]), o_ref.at[split, t, heads, pl.ds(*col_blocks[b])])
+
+    def rows(ref):  # the tile rows that hold this program's heads
+        return ref if block_h == BLOCK_H else ref.at[pl.ds(0, block_h)]
 
     @pl.when(wg == 0)
     def _scores():
         plgpu.set_max_registers(registers[0], action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[t, heads], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[t, heads], rows(q_smem), q_bar)
         plgpu.barrier_wait(q_bar)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
         l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row_layout)
@@ -304,14 +328,15 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
 
         accs, m_i, l_i = lax.fori_loop(0, num_tiles, step, (zeros(score_blocks), m_i, l_i))
         # [64]: the heads' sinks in base 2 join the denominator both warpgroups divide by, not the LSE
-        sink2 = (plgpu.load(sinks_ref.at[heads], layout=row_layout, optimized=False) * softmax.LOG2E
+        sink2 = (plgpu.load(sinks_ref.at[pl.ds(g * block_h, BLOCK_H)], layout=row_layout, optimized=False)
+                 * softmax.LOG2E
                  if has_sinks else None)  # GMEM: a plain load, 64 floats
         den = softmax.with_sink(m_i, l_i, sink2)
         stats.at[NUM_SLOTS][...] = den
         plgpu.barrier_arrive(l_ready)  # also: the last Q Kᵀ is done, q's memory may take the outputs
         lse_smem[...] = softmax.log_sum_exp(m_i, l_i)
         store(accs, den, score_blocks)
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, t, heads])
+        plgpu.copy_smem_to_gmem(rows(lse_smem), lse_ref.at[split, t, heads])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -340,8 +365,9 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
     @pl.when((wg == COMPUTE_WGS) & (num_tiles > 0))
     def _memory():
         def resolve(j, n: int):  # tiles j .. j + n - 1 into the ring (j % RING + n <= RING)
-            _resolve_slots(topk_ref.at[t, pl.ds((split * split_tiles + j) * BLOCK_N, n * BLOCK_N)], table_ref.at[req],
-                           token_keys_ref.at[pl.ds(t, 1)], ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, n * BLOCK_N)],
+            _resolve_slots(topk_ref.at[0 if dense else t, pl.ds((first_tile + j) * BLOCK_N, n * BLOCK_N)],
+                           table_ref.at[req], token_keys_ref.at[pl.ds(t, 1)],
+                           ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, n * BLOCK_N)],
                            block_size=block_size, num_pages=num_pages)
 
         def issue(j):  # tile j into its slot: loaded[slot] completes when every thread's copies have landed
@@ -350,12 +376,22 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
             _gather(kv_ref, ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], (k_nope.at[slot], k_rope.at[slot]))
             _arrive_when_landed(loaded, slot)
 
-        first = min(NUM_SLOTS, split_tiles)  # num_tiles is split_tiles here
-        resolve(0, first)
-        for j in range(first):
-            issue(j)
+        if dense:  # the token's own number of tiles
+            for j in range(NUM_SLOTS):
+                @pl.when(num_tiles > j)
+                def _first_tiles():
+                    resolve(j, 1)
+                    issue(j)
 
-        @pl.loop(0, max(split_tiles - NUM_SLOTS, 0))
+            refills = jnp.maximum(num_tiles - NUM_SLOTS, 0)
+        else:  # every token walks split_tiles
+            first = min(NUM_SLOTS, split_tiles)
+            resolve(0, first)
+            for j in range(first):
+                issue(j)
+            refills = max(split_tiles - NUM_SLOTS, 0)
+
+        @pl.loop(0, refills)
         def _refill(j):
             resolve(j + NUM_SLOTS, 1)  # before the wait: the table lookups overlap tile j's compute
             plgpu.barrier_wait(consumed.at[lax.rem(j, NUM_SLOTS)])
@@ -396,17 +432,50 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, token_
     warpgroups' increase waits forever). ``num_splits``: programs per (token, 64 heads), each taking an equal share
     of the top-k tiles (a divisor of their number; None: :func:`default_splits`); their partial outputs are merged
     by :func:`pallas_attn.merge_attention_states`, which then applies the sinks."""
-    num_tokens, num_heads, dim = q.shape
-    num_blocks, block_size, _ = kv_cache.shape
+    num_tokens, num_heads, _ = q.shape
     topk = topk_indices.shape[1]
     reason = supported(q, kv_lora_rank)
     if reason is not None or topk % BLOCK_N:
         raise ValueError(f"the Mosaic sparse kernel does not support {reason or f'top-k {topk}'}")
     num_tiles = topk // BLOCK_N
     if num_splits is None:
-        num_splits = default_splits(num_tokens * (num_heads // BLOCK_H), num_tiles)
+        num_splits = default_splits(num_tokens * (num_heads // head_block(num_heads)), num_tiles)
     if num_tiles % num_splits:
         raise ValueError(f"num_splits={num_splits} must divide the {num_tiles} top-k tiles")
+    return _launch(q, kv_cache, block_tables, topk_indices, token_req, token_keys, sinks, kv_lora_rank=kv_lora_rank,
+                   scale=scale, registers=registers, score_cols=score_cols, num_splits=num_splits,
+                   split_tiles=num_tiles // num_splits, dense=False)
+
+
+def dense_mla_mosaic(q, kv_cache, block_tables, token_req, token_keys, sinks=None, *, kv_lora_rank: int,
+                     scale: float, num_splits: int, split_size: int | None,
+                     registers: tuple[int, int, int] = (240, 224, 40), score_cols: int = SCORE_COLS):
+    """Dense MLA (:func:`pallas_attn.mla_attention`) on this kernel: token ``t`` sees its request's positions
+    ``[0, token_keys[t])`` (the causal bound of a multi-token step included), so its list is every position, one
+    row ``0, 1, 2, ...`` shared by all tokens (read from L2, never per token), and it walks only its own tiles.
+    ``num_splits`` segments per token, of ``split_size`` keys (a multiple of ``BLOCK_N``) or, with None, an even
+    share of the token's tiles. ``(out [T, H, kv_lora_rank], lse f32[T, H])``; ``token_req`` -1 for padding
+    tokens (zeros, -inf)."""
+    reason = supported(q, kv_lora_rank)
+    if reason is not None:
+        raise ValueError(f"the Mosaic MLA kernel does not support {reason}")
+    if split_size is not None and split_size % BLOCK_N:
+        raise ValueError(f"{split_size=} must be a multiple of the Mosaic MLA kernel's {BLOCK_N}-key tiles")
+    num_blocks, block_size, _ = kv_cache.shape
+    capacity = pl.cdiv(block_tables.shape[1] * block_size, BLOCK_N) * BLOCK_N
+    positions = jnp.arange(capacity, dtype=jnp.int32)[None, :]  # masked past each token's keys by the resolve
+    return _launch(q, kv_cache, block_tables, positions, token_req, token_keys, sinks, kv_lora_rank=kv_lora_rank,
+                   scale=scale, registers=registers, score_cols=score_cols, num_splits=num_splits,
+                   split_tiles=split_size // BLOCK_N if split_size else 0, dense=True)
+
+
+def _launch(q, kv_cache, block_tables, positions, token_req, token_keys, sinks, *, kv_lora_rank: int, scale: float,
+            registers: tuple[int, int, int], score_cols: int, num_splits: int, split_tiles: int, dense: bool):
+    """The kernel over ``(token, head block, split)`` programs, then the split merge. ``positions``: each token's
+    top-k list (sparse), or the one shared row of positions (dense); ``split_tiles`` as :func:`_tile_range`."""
+    num_tokens, num_heads, dim = q.shape
+    num_blocks, block_size, _ = kv_cache.shape
+    block_h = head_block(num_heads)
     col_blocks = _value_blocks(kv_lora_rank, score_cols)
     tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
     scratch = (
@@ -421,23 +490,28 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, token_
         (plgpu.Barrier(), plgpu.Barrier(num_arrivals=2, num_barriers=NUM_SLOTS), plgpu.Barrier(num_barriers=NUM_SLOTS),
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=NUM_SLOTS), plgpu.Barrier()),
     )
-    # one program per (token, 64 heads) sees the whole list and applies the sink; split partials leave it to the merge
-    in_kernel_sinks = [sinks.astype(jnp.float32)] if sinks is not None and num_splits == 1 else []
+    # an unsplit program sees its rows' whole list and applies the sink; split partials leave it to the merge.
+    # Padded to a whole 64-row tile: the score warpgroup loads one sink per tile row.
+    in_kernel_sinks = []
+    if sinks is not None and num_splits == 1:
+        sinks_f32 = sinks.astype(jnp.float32)
+        in_kernel_sinks = [sinks_f32 if num_heads >= BLOCK_H else jnp.pad(sinks_f32, (0, BLOCK_H - num_heads))]
     body = functools.partial(_kernel, block_size=block_size, num_pages=num_blocks, scale2=scale * softmax.LOG2E,
-                             col_blocks=col_blocks, registers=registers, split_tiles=num_tiles // num_splits,
-                             has_sinks=bool(in_kernel_sinks))
+                             col_blocks=col_blocks, registers=registers, split_tiles=split_tiles,
+                             num_splits=num_splits, dense=dense, block_h=block_h, has_sinks=bool(in_kernel_sinks))
 
-    def sparse_mla_kernel(*refs):
+    def mla_kernel(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
 
+    mla_kernel.__name__ = "dense_mla_kernel" if dense else "sparse_mla_kernel"
     out, lse = plgpu.kernel(
-        sparse_mla_kernel,
+        mla_kernel,
         out_type=[jax.ShapeDtypeStruct((num_splits, num_tokens, num_heads, kv_lora_rank), q.dtype),
                   jax.ShapeDtypeStruct((num_splits, num_tokens, num_heads), jnp.float32)],
-        grid=(num_tokens, num_heads // BLOCK_H, num_splits), grid_names=("token", "hblk", "split"),
+        grid=(num_tokens, num_heads // block_h, num_splits), grid_names=("token", "hblk", "split"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(token_req, token_keys, topk_indices, block_tables, q, kv_cache.reshape(num_blocks * block_size, dim),
+    )(token_req, token_keys, positions, block_tables, q, kv_cache.reshape(num_blocks * block_size, dim),
       *in_kernel_sinks)
     return softmax.merge_split_outputs(out, lse, num_splits, (num_tokens, num_heads, kv_lora_rank), q.dtype,
                                        sinks if num_splits > 1 else None)

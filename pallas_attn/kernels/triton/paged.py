@@ -94,7 +94,7 @@ def launch_splits(q_shape, dtype_bytes: int, cache_shape, table_shape, max_query
     return short, chunk_splits
 
 
-def _query_blocks(cu_query_lens, block_q: int, num_blocks: int, query_class: str | None = None):
+def query_blocks(cu_query_lens, block_q: int, num_blocks: int, query_class: str | None = None):
     """Map each of the static ``num_blocks`` query blocks to ``(request, first local token)``; -1 past the end.
 
     ``query_class`` "short" (``q_len <= SHORT_QUERY_LEN``) or "long" keeps only that class's requests (the others get
@@ -314,7 +314,7 @@ def ragged_paged_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query_le
         rows_per_tile = block_q * group_padded
         out_rows = (splits * num_q_blocks * num_kv_heads * rows_per_tile if compact
                     else (splits if splits > 1 else 1) * num_tokens * num_q_heads)
-        block_req, block_first = _query_blocks(cu_query_lens, block_q, num_q_blocks, query_class)
+        block_req, block_first = query_blocks(cu_query_lens, block_q, num_q_blocks, query_class)
         merge = None
         in_specs = [vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs),
                     vec(num_seqs * max_blocks), full(num_tokens * num_q_heads), full(cache_rows, kv_width),

@@ -1,0 +1,165 @@
+"""Dense MLA attention over a paged latent cache (DeepSeek-V3 / Kimi-K2 decode and multi-token steps).
+
+The cache holds one shared latent head per position, ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (512 +
+64 = 576 for DeepSeek): keys are a row's full 576 dims, values its first ``kv_lora_rank``; ``q [T, H, 576]`` is
+already absorbed into the latent space. Every query head attends to every key of its request, so the kernel is
+``paged_attention`` with one KV head whose values are a prefix of its keys — with one tile loaded for both dots.
+
+Request ``b``'s ``q_len`` new tokens are the last of its ``seq_lens[b]`` keys, causal among themselves (decode:
+``q_len`` 1; MTP / speculative verification: 2–8). The grid is ``(q_blocks, cdiv(H, block_h), num_splits)``: a
+query block is ``block_q`` tokens of one request × ``block_h`` heads, and those rows are the M dim of both dots,
+so each latent tile is read once for all of them (FlashMLA packs its 64-row tiles the same way). Query blocks are
+mapped to requests as in the ragged paged kernel (:func:`pallas_attn.kernels.triton.paged.query_blocks`). The
+QKᵀ dot is split into the latent part (``[M, 512] x [512, N]``) and the rope part (``[M, 64] x [64, N]``) so no
+576-wide (non-power-of-two) tile exists, as in :mod:`pallas_attn.kernels.triton.sparse_mla`.
+
+Tiles are planned as in the other paged kernels (:func:`pallas_attn.core.tiles.paged_tile_plan`): full tiles carry no
+mask, the ragged last tile and the causal triangle are masked, a program checks its own pages are in the pool before
+its loop, and split-KV segments (``num_splits`` / ``split_size``) are merged by
+:func:`pallas_attn.merge_attention_states`. Attention sinks join an unsplit program's denominator in the kernel and
+a split one's in the merge.
+
+Reference: :func:`pallas_attn.reference.mla_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_attn.core import config as config_lib, masks, softmax, tiles
+from pallas_attn.core.backend import pallas_triton as plgpu  # None without the backend: the ops say so
+
+
+# ---------------------------------------------------------------------------------------------- kernel body
+def _mla_kernel(
+    # inputs
+    block_req_ref,  # i32[num_q_blocks]: request of each query block, < 0 past the last one
+    block_first_ref,  # i32[num_q_blocks]: first request-local token of the block
+    cu_query_lens_ref,  # i32[num_seqs + 1]
+    seq_lens_ref,  # i32[num_seqs]
+    block_tables_ref,  # i32[num_seqs * max_blocks]
+    q_ref,  # [T * H, Dqk]
+    kv_ref,  # [num_blocks * block_size, Dqk]
+    *refs,  # [sinks f32[H]] (with has_sinks); outputs o [num_splits * T * H, Dv] (f32 partials when split, else
+    #         q's dtype), lse f32[num_splits * T * H]
+    num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int, block_q: int, block_h: int, rows: int,
+    max_blocks: int, block_size: int, block_n: int, num_splits: int, split_size: int | None, scale2: float,
+    has_sinks: bool, precision,
+):
+    sinks_ref = refs[0] if has_sinks else None
+    o_ref, lse_ref = refs[-2:]
+    p, hb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r = jnp.arange(rows)
+    tok_in_block = r // block_h
+    head = hb * block_h + r % block_h
+    head_valid = (head < num_heads) & (tok_in_block < block_q)  # rows past block_q × block_h pad a 16-row dot
+    req = block_req_ref[p]
+    latent = tiles.Cols(kv_lora_rank, kv_lora_rank)
+    rope = tiles.Cols(rope_dim, config_lib.next_pow2(rope_dim), offset=kv_lora_rank) if rope_dim else None
+    dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+
+    def load_split(ref, row_idx, row_mask):
+        """``[R, Dv]`` latent part and ``[R, rope]`` rope part (columns ``Dv..Dqk``) of rows."""
+        nope = tiles.load_rows(ref, row_idx, latent, row_mask)
+        return nope, (tiles.load_rows(ref, row_idx, rope, row_mask) if rope_dim else None)
+
+    @pl.when(req >= 0)
+    def _attend():
+        q_start = cu_query_lens_ref[req]
+        q_len = cu_query_lens_ref[req + 1] - q_start
+        seq_len = jnp.clip(seq_lens_ref[req], 0, max_blocks * block_size)  # past the table: nothing more is read
+        context = seq_len - q_len
+        first = block_first_ref[p]
+        tok = first + tok_in_block  # [M] request-local query index
+        row_valid = (tok < q_len) & head_valid
+        # Masked rows get distinct out-of-range indices (see tiles.store_rows).
+        q_rows = jnp.where(row_valid, (q_start + tok) * num_heads + head, num_tokens * num_heads + r)
+        q_nope, q_pe = load_split(q_ref, q_rows, row_valid)  # [M, Dv], [M, rope]
+        q_pos = context + tok  # absolute positions: a full rectangle plus the new tokens' triangle
+        q_last = context + jnp.minimum(first + block_q, q_len) - 1
+        num_pages = kv_ref.shape[0] // block_size
+
+        def guarded(key_start, key_end):  # a page of the program's keys outside the pool: every tile masked
+            return ~tiles.program_pages_in_pool(block_tables_ref, req * max_blocks, key_start, key_end, block_size,
+                                                num_pages, max_blocks)
+
+        tile_start, _, full_end, kv_end, _ = tiles.paged_tile_plan(
+            context + first, q_last, seq_len, block_n, split, num_splits, split_size, masks.NO_MODS,
+            guarded=guarded)
+
+        def scores(k_nope, k_pe):  # [M, N] base 2
+            s = dot(q_nope, k_nope.T)
+            if rope_dim:
+                s = s + dot(q_pe, k_pe.T)
+            return s * scale2
+
+        def step(j, state, masked):
+            k_pos = j * block_n + jnp.arange(block_n)  # [N]
+            if not masked:  # pages vouched for by the program's check: no guard, no mask
+                slot, _ = tiles.paged_rows(block_tables_ref, req * max_blocks, k_pos, block_size, 1, 0, num_pages,
+                                           guard=False)
+                k_nope, k_pe = load_split(kv_ref, slot, None)
+                return softmax.online_softmax_step(state, scores(k_nope, k_pe), k_nope, dot)
+            k_valid = k_pos < seq_len
+            slot, page_ok = tiles.paged_rows(block_tables_ref, req * max_blocks, k_pos, block_size, 1, 0, num_pages,
+                                             k_valid)
+            ok = k_valid & page_ok
+            k_nope, k_pe = load_split(kv_ref, slot, ok)  # masked keys read as 0: V stays finite
+            # A key past the request or on a page outside the pool moves past every query: one [M, N] compare is
+            # the whole causal, length and page mask.
+            visible = jnp.where(ok, k_pos, jnp.iinfo(jnp.int32).max)[None, :] <= q_pos[:, None]
+            return softmax.online_softmax_step(state, jnp.where(visible, scores(k_nope, k_pe), -jnp.inf), k_nope,
+                                               dot)
+
+        state = softmax.kv_loop(softmax.init_state(rows, kv_lora_rank), tile_start, full_end, kv_end, step)
+        # [M]: the rows' sinks in base 2; split partials leave the sink to their merge
+        sink2 = (tiles.load_vector(sinks_ref, head, row_valid) * softmax.LOG2E
+                 if has_sinks and num_splits == 1 else None)
+        out, lse = softmax.finalize(state, sink2)  # no key (an empty split, context 0): zeros and -inf
+        out_rows = split * num_tokens * num_heads + q_rows
+        tiles.store_rows(o_ref, out_rows, latent, out, row_valid)
+        tiles.store_vector(lse_ref, out_rows, lse, row_valid)
+
+
+# -------------------------------------------------------------------------------------------- pallas_call
+def mla_triton(q, kv_cache, block_tables, seq_lens, cu_query_lens, block_req, block_first, sinks=None, *,
+               kv_lora_rank: int, scale: float, num_splits: int, split_size: int | None, interpret: bool,
+               cfg: config_lib.MLAConfig, block_q: int):
+    """``(out, lse)`` as the kernel writes them: ``out [num_splits * T * H, Dv]`` (float32 partial states when
+    split, else q's dtype), ``lse f32[num_splits * T * H]``; rows no query block owns are not written. Arguments
+    validated by :func:`pallas_attn.ops.mla.mla_attention`; ``cu_query_lens`` clamped, ``(block_req, block_first)``
+    from :func:`pallas_attn.kernels.triton.paged.query_blocks`, ``sinks`` ``f32[H]`` or None."""
+    num_tokens, num_heads, dim_qk = q.shape
+    num_blocks, block_size, _ = kv_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    block_h = min(cfg.block_h, config_lib.next_pow2(num_heads))
+    rows = max(tiles.MIN_DOT_ROWS, block_q * block_h)
+    num_q_blocks = block_req.shape[0]
+    out_rows = num_splits * num_tokens * num_heads
+    kernel = functools.partial(
+        _mla_kernel, num_tokens=num_tokens, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+        rope_dim=dim_qk - kv_lora_rank, block_q=block_q, block_h=block_h, rows=rows, max_blocks=max_blocks,
+        block_size=block_size, block_n=cfg.block_n, num_splits=num_splits, split_size=split_size,
+        scale2=scale * softmax.LOG2E, has_sinks=sinks is not None and num_splits == 1,
+        precision=tiles.dot_precision(q.dtype))
+    features = [sinks.astype(jnp.float32)] if sinks is not None and num_splits == 1 else []
+    vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))  # noqa: E731
+    mat = lambda n, d: pl.BlockSpec((n, d), lambda *_: (0, 0))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, pl.cdiv(num_heads, block_h), num_splits),
+        in_specs=[vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs), vec(num_seqs * max_blocks),
+                  mat(num_tokens * num_heads, dim_qk), mat(num_blocks * block_size, dim_qk)]
+                 + [vec(num_heads)] * len(features),
+        out_specs=[mat(out_rows, kv_lora_rank), vec(out_rows)],
+        out_shape=[jax.ShapeDtypeStruct((out_rows, kv_lora_rank), jnp.float32 if num_splits > 1 else q.dtype),
+                   jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"mla_d{dim_qk}_v{kv_lora_rank}_bs{block_size}_q{block_q}" + ("_split" if num_splits > 1 else ""),
+    )(block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, dim_qk),
+      kv_cache.reshape(-1, dim_qk), *features)
