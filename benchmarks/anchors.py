@@ -20,7 +20,18 @@ layouts, transposes, head repetition) and records in ``note`` what it had to do.
                      first); D1, D2, and V1 as one call per draft token
   jnp                jitted jnp gather + dense attention (float32 scores, bf16 P·V), every standard workload: the
                      floor; the only anchor with the model-family features (window: only the pages of the window
-                     are gathered, soft-cap, ALiBi, sinks), so the only one on W1 and W2
+                     are gathered, soft-cap, ALiBi, sinks), so the only one on W1 and W2. Dense MLA (L1, L2):
+                     each request's latent pages gathered once into [B, max_pages · block_size, 576], keys all
+                     576 dims, values the first 512, masked causally from absolute positions
+  sparse_mla_attention/all
+                     dense MLA (L1, L2) through this library's sparse_mla_attention with every position selected:
+                     top-k = the longest request, token t's indices 0..its position, -1 after (built outside the
+                     timing); cu_query_lens and seq_lens passed as to mla_attention
+  paged_attention/latent
+                     dense MLA (L1, L2) through this library's paged_attention: the latent cache as one KV head
+                     whose keys and values are both the 576-dim rows (output sliced to 512). paged_attention takes
+                     head dims up to 512, so it serves no 576-dim workload (``--list`` names the limit); a latent
+                     of 512 dims or fewer runs (tests/test_benchmarks_smoke.py runs one of 96)
 
 The other anchors declare no feature (``Impl.features``): the harness does not run them on a workload, or a
 ``--variant``, that uses one.
@@ -37,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.impls import Impl, Options, Prepared, identity
+from benchmarks.impls import Impl, Options, Prepared, identity, mla_cu_query_lens
 from benchmarks.workloads import FEATURE_KWARGS, Batch, HostBatch, Spec
 
 SCORE_BUDGET_BYTES = 4 * 2**30  # jnp baseline: f32 score block per query chunk
@@ -332,6 +343,8 @@ def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
     host, spec = batches[0].host, batches[0].spec
     if spec.kind == "sparse":
         return _prepare_jnp_sparse(batches, options)
+    latent = spec.kind == "mla"  # one latent row per key: keys its head_dim dims, values its first kv_lora_rank
+    value_dim = spec.kv_lora_rank if latent else spec.head_dim
     T, scale = host.num_tokens, _scale(spec)
     left = spec.window_left
     plans, group_args = [], []
@@ -372,7 +385,10 @@ def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
 
     def attend_group(q, k_src, v_src, feats, plan, q_idx, q_pos, keys, seq, key_start):
         n, num_keys = plan
-        if host.paged:
+        if latent:  # each page gathered once: [n, num_keys, 1, 576], the values a slice of it
+            k = k_src[keys].reshape(n, num_keys, 1, spec.head_dim)
+            v = k[..., :value_dim]
+        elif host.paged:
             k = k_src[keys].reshape(n, num_keys, spec.num_kv_heads, spec.head_dim)
             v = v_src[keys].reshape(n, num_keys, spec.num_kv_heads, spec.head_dim)
         else:
@@ -393,7 +409,7 @@ def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
 
     @jax.jit
     def fn(q, k_src, v_src, feats, *gargs):
-        out = jnp.zeros((T + 1, spec.num_q_heads, spec.head_dim), q.dtype)  # row T: sink for padding
+        out = jnp.zeros((T + 1, spec.num_q_heads, value_dim), q.dtype)  # row T: sink for padding
         for plan, ga in zip(plans, gargs):
             o, q_idx = attend_group(q, k_src, v_src, feats, plan, *ga)
             out = out.at[q_idx.reshape(-1)].set(o.reshape(-1, *o.shape[3:]))
@@ -401,11 +417,15 @@ def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
 
     def args_for(b: Batch):
         a = b.arrays
-        k_src, v_src = (a["k_cache"], a["v_cache"]) if host.paged else (a["k"], a["v"])
+        if latent:
+            k_src, v_src = a["kv_cache"], None
+        else:
+            k_src, v_src = (a["k_cache"], a["v_cache"]) if host.paged else (a["k"], a["v"])
         feats = {k: a[k] for k in ("alibi_slopes", "sinks") if k in spec.features}
         return (a["q"], k_src, v_src, feats, *group_args)
 
-    note = f"{len(plans)} dense groups" + (", the window's pages only" if host.paged and left >= 0 else "")
+    note = (f"{len(plans)} dense groups" + (", the window's pages only" if host.paged and left >= 0 else "")
+            + (", latent rows gathered once (values: their first kv_lora_rank dims)" if latent else ""))
     return Prepared(fn, [args_for(b) for b in batches], identity, note=note)
 
 
@@ -429,6 +449,47 @@ def _prepare_jnp_sparse(batches: list[Batch], options: Options) -> Prepared:
     return Prepared(fn, args, identity, note="gather + dense")
 
 
+# ---------------------------------------------------------------------------------------------- dense MLA
+def all_positions_topk(host: HostBatch) -> np.ndarray:
+    """i32[num_tokens, max seq_len]: every key a token sees, as sparse top-k indices: token ``i`` of a request with
+    ``ctx`` cached keys sits at position ``ctx + i`` and selects positions ``0 .. ctx + i`` (ascending); ``-1``
+    pads the rest."""
+    token_req = np.repeat(np.arange(host.num_seqs), host.q_lens)
+    token_pos = host.context_lens[token_req] + np.arange(host.num_tokens) - host.cu_query_lens[token_req]
+    positions = np.arange(int(host.seq_lens.max()))[None, :]
+    return np.where(positions <= token_pos[:, None], positions, -1).astype(np.int32)
+
+
+def _prepare_sparse_all(batches: list[Batch], options: Options) -> Prepared:
+    import pallas_attn
+    host, spec = batches[0].host, batches[0].spec
+    topk = jnp.asarray(all_positions_topk(host))
+    kw = dict(kv_lora_rank=spec.kv_lora_rank, interpret=options.interpret)
+    fn = jax.jit(lambda q, kv, bt, ti, sl, cu: pallas_attn.sparse_mla_attention(q, kv, bt, ti, cu_query_lens=cu,
+                                                                                 seq_lens=sl, **kw))
+    args = [(b.arrays["q"], b.arrays["kv_cache"], b.arrays["block_tables"], topk, b.arrays["seq_lens"],
+             mla_cu_query_lens(b)) for b in batches]
+    return Prepared(fn, args, identity, note=f"top-k = all {topk.shape[1]} positions, -1 past each token's keys")
+
+
+def _latent_head_dim_limit(spec: Spec) -> frozenset[str]:
+    """paged_attention's head-dim limit, for the latent cache as one KV head of ``head_dim`` dims."""
+    from pallas_attn.core.validation import MAX_HEAD_DIM
+    return frozenset({f"head_dim {spec.head_dim} > {MAX_HEAD_DIM}"}) if spec.head_dim > MAX_HEAD_DIM else frozenset()
+
+
+def _prepare_paged_latent(batches: list[Batch], options: Options) -> Prepared:
+    import pallas_attn
+    host, spec = batches[0].host, batches[0].spec
+    kw = dict(max_query_len=host.max_query_len, interpret=options.interpret)
+    # paged_attention wants K and V of one shape: both are the whole latent row, and P·V runs over all its dims
+    fn = jax.jit(lambda q, kv, bt, sl, cu: pallas_attn.paged_attention(q, kv, kv, bt, sl, cu, **kw))
+    args = [(b.arrays["q"], b.arrays["kv_cache"][:, :, None, :], b.arrays["block_tables"], b.arrays["seq_lens"],
+             b.arrays["cu_query_lens"]) for b in batches]
+    return Prepared(fn, args, lambda out: out[..., :spec.kv_lora_rank],
+                    note=f"one KV head of {spec.head_dim} dims as K and V, output sliced to {spec.kv_lora_rank}")
+
+
 def _lazy_naive_triton(batches: list[Batch], options: Options) -> Prepared:
     from benchmarks.naive_triton import prepare_naive_triton  # imports triton only when this anchor runs
     return prepare_naive_triton(batches, options)
@@ -437,6 +498,10 @@ def _lazy_naive_triton(batches: list[Batch], options: Options) -> Prepared:
 # ---------------------------------------------------------------------------------------------- registry
 def _ids(*ids):
     return lambda s: s.id in ids
+
+
+def _standard_mla(spec: Spec) -> bool:
+    return spec.kind == "mla" and not spec.family
 
 
 def _jnp_features(spec: Spec) -> frozenset[str]:
@@ -453,5 +518,7 @@ ANCHORS: list[Impl] = [
     Impl("jax_pallas_decode", _ids("D1", "D2"), _prepare_jax_decode),
     Impl("jax_pallas_paged", _ids("D1", "D2", "V1"), _prepare_jax_paged),
     Impl("jnp", lambda s: not s.family, _prepare_jnp, features=_jnp_features),
+    Impl("sparse_mla_attention/all", _standard_mla, _prepare_sparse_all),
+    Impl("paged_attention/latent", _standard_mla, _prepare_paged_latent, limits=_latent_head_dim_limit),
     Impl("naive_triton", _ids("P1", "P2"), _lazy_naive_triton),
 ]

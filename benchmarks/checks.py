@@ -9,7 +9,9 @@ they run on a SUBSET of rows, chosen once per workload and input set 0:
   bidirectional prefill, those rows of the whole request's reference;
 * decode: up to 4 requests (first, last, shortest, longest) through ``reference.paged_decode_attention``;
 * ragged: the first request of every group plus the longest, through ``reference.paged_attention``;
-* sparse: up to 4 tokens through ``reference.sparse_mla_attention``.
+* sparse: up to 4 tokens through ``reference.sparse_mla_attention``;
+* mla: every new token of up to 4 requests (first, last, shortest, longest) through ``reference.mla_attention``,
+  called as the kernels are (without ``cu_query_lens`` when every request has one new token).
 
 The workload's model-family features (window, soft-cap, sinks, ALiBi) go to the reference as they go to the kernels.
 ``rel_err`` is ``||out - ref|| / ||ref||`` over those rows (float64; :func:`pallas_attn.testing.relative_l2`).
@@ -108,6 +110,15 @@ def reference_subset(batch: Batch) -> RefSubset:
                                              kv_lora_rank=host.spec.kv_lora_rank, **feats)
         refs.append(np.asarray(out))
         rows.append(idx)
+    elif kind == "mla":
+        idx = np.asarray(sorted(_pick(host.seq_lens)))
+        q_rows = np.concatenate([np.arange(host.cu_query_lens[b], host.cu_query_lens[b + 1]) for b in idx])
+        out = reference.mla_attention(a["q"][q_rows], a["kv_cache"], jnp.asarray(host.block_tables[idx]),
+                                      jnp.asarray(host.seq_lens[idx], jnp.int32),
+                                      None if host.one_token_each else _cu(host.q_lens[idx]),
+                                      max_query_len=host.max_query_len, kv_lora_rank=host.spec.kv_lora_rank, **feats)
+        refs.append(np.asarray(out))
+        rows.append(q_rows)
     else:
         raise ValueError(f"unknown kind {kind!r}")
     return RefSubset(np.concatenate(rows), np.concatenate(refs).astype(np.float32))

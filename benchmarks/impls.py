@@ -4,11 +4,12 @@ An :class:`Impl` says which workloads it serves and how to prepare them: ``prepa
 OUTSIDE the timing (layout changes, sub-batch slicing, padding for an anchor's constraints) and returns a
 :class:`Prepared`: one jitted function, one argument tuple per input set (the harness rotates between them), and a
 ``canonical`` function that maps the function's output to the workload's canonical layout for the correctness
-check (prefill / ragged: packed ``[num_tokens, Hq, D]``; decode: ``[num_seqs, Hq, D]``; sparse: ``[num_tokens, H,
-kv_lora_rank]``). The anchors live in :mod:`benchmarks.anchors`.
+check (prefill / ragged: packed ``[num_tokens, Hq, D]``; decode: ``[num_seqs, Hq, D]``; sparse and mla:
+``[num_tokens, H, kv_lora_rank]``). The anchors live in :mod:`benchmarks.anchors`.
 
 Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
-  pallas_attn            the kernel for the workload's kind (varlen / paged decode / ragged paged / sparse MLA)
+  pallas_attn            the kernel for the workload's kind (varlen / paged decode / ragged paged / sparse MLA /
+                         dense MLA)
   pallas_attn/no_split   paged decode with ``num_splits=1`` (no split-KV), for the long-context and sweep cases
   pallas_attn/paged      a decode workload run through the ragged ``paged_attention`` (q_len = 1 each)
   pallas_attn/parts      a mixed ragged batch run as separate calls, one per request group (decodes through
@@ -61,7 +62,9 @@ class Impl:
 
     applies: the workloads it is meant for; features: the model-family keywords it can run
     (:attr:`Spec.features`; ours: those its public function takes). A workload using a feature outside them is
-    not run (``--list`` shows it as unsupported), never run without it. spec_for: the workload as this row runs it
+    not run (``--list`` shows it as unsupported), never run without it. limits: the shape limits a workload it is
+    meant for passes (``{"head_dim 576 > 512"}``); such a workload is not run either, and ``--list`` names the limit
+    the same way. spec_for: the workload as this row runs it
     (a ``--variant`` may turn a feature on); twin_impl: the implementation its rows are measured against on the
     same workload (``ratio_to_twin``), if any.
     """
@@ -70,6 +73,7 @@ class Impl:
     prepare: Callable[[list[Batch], Options], Prepared]
     anchor: bool = True  # False for ours: "ratio to best anchor" compares against anchor rows only
     features: Callable[[Spec], frozenset[str]] = lambda spec: frozenset()
+    limits: Callable[[Spec], frozenset[str]] = lambda spec: frozenset()
     spec_for: Callable[[Spec], Spec] = lambda spec: spec
     twin_impl: Callable[[Spec], str | None] = lambda spec: None
 
@@ -78,8 +82,9 @@ class Impl:
         return not self.anchor
 
     def unsupported(self, spec: Spec) -> frozenset[str]:
-        """The model-family keywords the workload (as this row runs it) uses and this implementation cannot."""
-        return self.spec_for(spec).features - self.features(spec)
+        """The model-family keywords the workload (as this row runs it) uses and this implementation cannot, and the
+        shape limits it passes."""
+        return (self.spec_for(spec).features - self.features(spec)) | self.limits(spec)
 
     def serves(self, spec: Spec) -> bool:
         return self.applies(spec) and not self.unsupported(spec)
@@ -94,7 +99,10 @@ def takes(function_name: str) -> Callable[[Spec], frozenset[str]]:
     may take none; a function gains them without a change here)."""
     def features(spec: Spec) -> frozenset[str]:
         import pallas_attn
-        params = inspect.signature(getattr(pallas_attn, function_name)).parameters
+        function = getattr(pallas_attn, function_name, None)
+        if function is None:  # a --baseline revision older than the function: its row records the error
+            return frozenset()
+        params = inspect.signature(function).parameters
         return frozenset(k for k in (*FEATURE_KWARGS, *FP8_KWARGS) if k in params)
 
     return features
@@ -240,10 +248,28 @@ def _prepare_sparse(batches: list[Batch], options: Options, **extra) -> Prepared
     return Prepared(fn, args, identity, note=_config_note(options))
 
 
+def mla_cu_query_lens(batch: Batch):
+    """``cu_query_lens`` as the MLA kinds pass it: None for a decode (one new token per request), else the array."""
+    return None if batch.host.one_token_each else batch.arrays["cu_query_lens"]
+
+
+def _prepare_mla(batches: list[Batch], options: Options, **extra) -> Prepared:
+    """``mla_attention`` with default arguments; ``extra``: a row's own keyword arguments (a ``--variant``'s, or a
+    ``backend=`` row's, as ``pallas_attn/triton`` passes one to the sparse kernel)."""
+    import pallas_attn
+    host = batches[0].host
+    kw = dict(max_query_len=host.max_query_len, kv_lora_rank=host.spec.kv_lora_rank, **_interpret_kw(options),
+              **options.overrides, **extra)
+    fn = jax.jit(lambda q, kv, bt, sl, cu, feats: pallas_attn.mla_attention(q, kv, bt, sl, cu, **kw, **feats))
+    args = [(b.arrays["q"], b.arrays["kv_cache"], b.arrays["block_tables"], b.arrays["seq_lens"], mla_cu_query_lens(b),
+             _features(b)) for b in batches]
+    return Prepared(fn, args, identity, note=_config_note(options))
+
+
 PREPARE_BY_KIND = {"prefill": _prepare_prefill, "decode": _prepare_decode, "ragged": _prepare_ragged,
-                   "sparse": _prepare_sparse}
+                   "sparse": _prepare_sparse, "mla": _prepare_mla}
 FUNCTION_BY_KIND = {"prefill": "varlen_attention", "decode": "paged_decode_attention", "ragged": "paged_attention",
-                    "sparse": "sparse_mla_attention"}  # the public function each kind's rows call
+                    "sparse": "sparse_mla_attention", "mla": "mla_attention"}  # the public function each kind calls
 
 
 def _prepare_ours(batches: list[Batch], options: Options, **extra) -> Prepared:

@@ -6,6 +6,7 @@
 * ``<stem>-decode.png``: GB/s by implementation and workload (D1, D2, V1, M1; context range in the label), copy
   ceiling dashed;
 * ``<stem>-sparse.png``: S1 TFLOP/s and GB/s by implementation;
+* ``<stem>-mla.png``: dense MLA, L1 and L2 TFLOP/s and GB/s by implementation;
 * ``<stem>-split.png``: the ``--split-sweep`` grid (when present): GB/s against context length, one colour per
   batch size, solid = split-KV heuristic, dashed = ``num_splits=1``.
 Every bar is labelled with its value; error rows are left out.
@@ -21,6 +22,8 @@ import sys
 DECODE_LABELS = {"D1": "D1 (64 req, ctx 1k-8k)", "D2": "D2 (4 req, ctx 20k-128k)", "V1": "V1 (32 req, 4k-16k, q=6)",
                  "M1": "M1 (mixed)"}
 PREFILL_LABELS = {"P1": "P1 (varlen, 29k tokens)", "P2": "P2 (one 32k request)"}
+SPARSE_LABELS = {"S1": "S1 sparse MLA"}
+MLA_LABELS = {"L1": "L1 (decode, 16 heads)", "L2": "L2 (q_len 2, 128 heads)"}
 
 
 def _ok(rows, workloads, unit):
@@ -80,6 +83,30 @@ def _finish(fig, ax, rows, unit, title, path, legend_below: bool = False):
     return path
 
 
+def _both_units(rows, labels, title, path):
+    """One panel per unit (TFLOP/s, GB/s), the workloads of ``labels`` grouped in each, its ceiling dashed; None
+    when no row of them measured anything."""
+    import matplotlib.pyplot as plt
+    measured = [r for r in rows if r.get("workload") in labels and r.get("metric") is not None and not r.get("error")]
+    if not measured:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(5 + 5 * len(labels), 4))
+    for ax, unit in zip(axes, ("TFLOP/s", "GB/s")):
+        sub = [r for r in measured if r["unit"] == unit]
+        if sub:
+            _grouped_bars(ax, sub, list(labels), labels, unit)
+            ceil, name = _ceiling(rows, unit)
+            if ceil:
+                ax.axhline(ceil, color="k", ls="--", lw=1, label=f"{name} {ceil:,.0f}")
+            ax.legend(fontsize=7)
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def make_plots(rows: list[dict], out_dir, stem: str) -> list[pathlib.Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -100,24 +127,11 @@ def make_plots(rows: list[dict], out_dir, stem: str) -> list[pathlib.Path]:
         _grouped_bars(ax, dec, list(DECODE_LABELS), DECODE_LABELS, "GB/s of K/V that must be read")
         written.append(_finish(fig, ax, rows, "GB/s", "Decode / verification / mixed", out_dir / f"{stem}-decode.png"))
 
-    sp = [r for r in rows if r.get("workload") == "S1" and r.get("metric") is not None and not r.get("error")]
-    if sp:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for ax, unit in zip(axes, ("TFLOP/s", "GB/s")):
-            sub = [r for r in sp if r["unit"] == unit]
-            if sub:
-                _grouped_bars(ax, sub, ["S1"], {"S1": "S1 sparse MLA"}, unit)
-                ceil, name = _ceiling(rows, unit)
-                if ceil:
-                    ax.axhline(ceil, color="k", ls="--", lw=1, label=f"{name} {ceil:,.0f}")
-                ax.legend(fontsize=7)
-                ax.grid(axis="y", alpha=0.3)
-        fig.suptitle("Sparse MLA decode (S1)")
-        fig.tight_layout()
-        path = out_dir / f"{stem}-sparse.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+    for labels, title, suffix in ((SPARSE_LABELS, "Sparse MLA decode (S1)", "sparse"),
+                                  (MLA_LABELS, "Dense MLA (L1, L2)", "mla")):
+        path = _both_units(rows, labels, title, out_dir / f"{stem}-{suffix}.png")
+        if path is not None:
+            written.append(path)
 
     split = [r for r in rows if r.get("family") == "split" and r.get("metric") is not None and not r.get("error")]
     if split:

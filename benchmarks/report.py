@@ -21,7 +21,7 @@ import sys
 from benchmarks import workloads as wl
 
 OURS = "pallas_attn"
-STANDARD_IDS = ("P1", "P2", "D1", "D2", "V1", "M1", "S1")
+STANDARD_IDS = ("P1", "P2", "D1", "D2", "V1", "M1", "S1", "L1", "L2")
 CEILING_LABELS = {"TFLOP/s": "bf16 matmul", "GB/s": "copy"}
 VERSION_KEYS = ("jax", "jaxlib", "triton", "platform", "pallas_attn")
 

@@ -49,13 +49,15 @@ from benchmarks import ceilings as ceilings_lib, checks, impls as impls_lib, var
 from benchmarks.timing import time_fn
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
-STANDARD_IDS = ["P1", "P2", "D1", "D2", "V1", "M1", "S1"]
+STANDARD_IDS = ["P1", "P2", "D1", "D2", "V1", "M1", "S1", "L1", "L2"]
 FEATURE_IDS = ["W1", "W2"]  # model-family workloads, run with --only (each brings its twin: W1-short, P2)
 FORMULAS = [
     "TFLOP/s (prefill-like) = 4 · visible (q,k) pairs · head_dim · num_q_heads / t  (a window hides pairs)",
     "GB/s (decode-like)     = (Σ keys read · num_kv_heads · head_dim · 2 (K,V) · 2 B + q bytes + out bytes) / t;"
     "  keys read = seq_len, or min(seq_len, q_len + left) with a left window",
     "S1 TFLOP/s             = Σ tokens · topk · (2·H·576 + 2·H·512) / t;  S1 GB/s = Σ tokens · topk · 576 · 2 B / t",
+    "L1/L2 TFLOP/s          = Σ visible (q,k) pairs · H · (2·576 + 2·512) / t (token i of q_len sees seq_len - q_len + "
+    "i + 1 keys);  L1/L2 GB/s = Σ seq_len · 576 · 2 B / t",
     "ratio_to_ceiling: TFLOP/s ÷ bf16 matmul TFLOP/s, GB/s ÷ copy GB/s (both measured in this run); "
     "ratio_to_best_anchor: ÷ the best non-pallas_attn row of the same workload and unit",
     "ratio_to_twin (x twin): ÷ the row that differs by one thing, same unit, this run: the same implementation on "
@@ -65,9 +67,10 @@ FORMULAS = [
 
 # --budget's estimates where no earlier results file of the device holds measured ``setup_s`` / ``wall_s``: seconds
 # on an H200 at --target-s 0.5 for a workload's setup (inputs, reference subset) and for one case (prepare, compile,
-# check, time). They add up to the full run's measured 308 s (ceilings about 8 s).
-SETUP_S = {"P1": 12.0, "P2": 15.0, "D1": 10.0, "D2": 12.0, "V1": 10.0, "M1": 10.0, "S1": 12.0}
-CASE_S = {"P1": 5.0, "P2": 7.0, "D1": 5.0, "D2": 5.0, "V1": 5.0, "M1": 5.0, "S1": 6.0}
+# check, time). P1..S1's add up to the measured 308 s of a full run without L1 and L2 (ceilings about 8 s).
+SETUP_S = {"P1": 12.0, "P2": 15.0, "D1": 10.0, "D2": 12.0, "V1": 10.0, "M1": 10.0, "S1": 12.0,
+           "L1": 10.0, "L2": 10.0}
+CASE_S = {"P1": 5.0, "P2": 7.0, "D1": 5.0, "D2": 5.0, "V1": 5.0, "M1": 5.0, "S1": 6.0, "L1": 6.0, "L2": 6.0}
 FAMILY_SETUP_S, FAMILY_CASE_S = 5.0, 3.0  # --family grids: small inputs, reference on a few rows
 CEILINGS_S = 8.0
 BASELINE_START_S = 15.0  # a --baseline subprocess: git worktree, JAX start-up

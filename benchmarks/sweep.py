@@ -3,13 +3,14 @@
 :mod:`pallas_attn.core.config` reads.
 
 Two stages per workload: stage 1 is the block-size × warps × stages grid at the default split choice; stage 2
-varies what only makes sense around the stage-1 winner (prefill: query heads per program; decode and ragged:
-``num_splits``). Every config is checked against the reference subset before it is timed; a config that fails to
+varies what only makes sense around the stage-1 winner (prefill: query heads per program; decode, ragged and dense
+MLA: ``num_splits``). Every config is checked against the reference subset before it is timed; a config that fails to
 compile (shared memory, register limits) or is wrong is recorded with its error and skipped.
 
 Table entries: for each kernel family the config with the best geometric-mean speed-up over the family's
 workloads (among configs measured on all of them) is proposed, keyed the way ``pallas_attn/core/config.py`` looks it
-up: prefill and decode by ``(device kind, next_pow2(head_dim))``, sparse by ``(device kind, num_q_heads)``.
+up: prefill and decode by ``(device kind, next_pow2(head_dim))``, sparse by ``(device kind, num_q_heads)``. Dense MLA
+has no table yet: its winners are printed and kept in the sweep file only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import itertools
 import math
 
 from pallas_attn.core import config as config_lib
-from pallas_attn.core.config import DecodeConfig, PrefillConfig, SparseConfig
+from pallas_attn.core.config import DecodeConfig, MLAConfig, PrefillConfig, SparseConfig
 
 FAMILY_TABLE = {"prefill": "PREFILL_TABLE", "decode": "DECODE_TABLE", "ragged": "DECODE_TABLE",
                 "sparse": "SPARSE_TABLE"}
@@ -52,6 +53,13 @@ def stage1(spec, tiny: bool) -> list[dict]:
         return ([{"config": SparseConfig(bn, bh, w, s)}
                  for bn, bh, w, s in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3))]
                 + [{"config": SparseConfig(32, 64, 8, s, value_splits=2)} for s in (1, 2)])
+    if kind == "mla":
+        if tiny:
+            return [{"config": MLAConfig(block_n=16, block_h=16, num_warps=4, num_stages=2)},
+                    {"config": MLAConfig(block_n=32, block_h=16, num_warps=4, num_stages=1)}]
+        heads = [h for h in (16, 32, 64) if h <= config_lib.next_pow2(spec.num_q_heads)]
+        return [{"config": MLAConfig(block_n=bn, block_h=bh, num_warps=w, num_stages=s)}
+                for bn, bh, w, s in itertools.product((32, 64, 128), heads, (4, 8), (1, 2, 3))]
     raise ValueError(f"no sweep grid for kind {kind!r}")
 
 
@@ -61,7 +69,7 @@ def stage2(spec, winner: dict, tiny: bool) -> list[dict]:
         group = spec.num_q_heads // spec.num_kv_heads
         return [{"config": dataclasses.replace(cfg, heads_per_program=h)}
                 for h in (1, 2, 4, 8) if group % h == 0 and h <= cfg.block_m and h != cfg.heads_per_program]
-    if spec.kind in ("decode", "ragged"):
+    if spec.kind in ("decode", "ragged", "mla"):
         splits = (1, 2) if tiny else (1, 2, 4, 8, 16, 32, 64)
         return [{"config": cfg, "num_splits": s} for s in splits]
     return []
@@ -130,6 +138,8 @@ def propose_tables(specs, per_workload: dict, device_kind: str) -> list[dict]:
             families.setdefault(spec.kind, []).append(spec)
     proposals = []
     for kind, fam in families.items():
+        if kind not in FAMILY_TABLE:  # a kernel without a tuned table: its winners stay in the sweep file
+            continue
         timings: dict[str, dict[str, float]] = {}  # label -> workload -> ms
         configs: dict[str, object] = {}
         for spec in fam:

@@ -8,8 +8,8 @@ extra arguments.
     --variant sinks:sinks=1                             # f32[num_q_heads] sinks (ALiBi slopes: alibi=1)
 
 A ``key`` is a keyword argument of the workload's public function (``varlen_attention``, ``paged_decode_attention``,
-``paged_attention``, ``sparse_mla_attention``); ``ARG.FIELD`` sets a field of the config argument ``ARG``
-(``config``, or ``chunk_config`` of ``paged_attention``): ``dataclasses.replace(<the op's default config>,
+``paged_attention``, ``sparse_mla_attention``, ``mla_attention``); ``ARG.FIELD`` sets a field of the config argument
+``ARG`` (``config``, or ``chunk_config`` of ``paged_attention``): ``dataclasses.replace(<the op's default config>,
 FIELD=value)``, the default being the one the op itself would use for the workload's shapes and backend. Values
 parse as int, float, ``true``/``false``/``none``, ``a/b`` (a tuple of ints), else a string. A variant runs on the
 workloads whose function takes all its keyword arguments; ``config.`` fields the config lacks give an error row.
@@ -150,6 +150,8 @@ def default_config(spec: Spec, arg: str, backend: str | None):
         if backend == "mosaic":
             raise ValueError("the Mosaic sparse MLA kernel takes no config")
         return config_lib.default_sparse_config(spec.num_q_heads)
+    if spec.kind == "mla":  # a decode's config is that of one token per request, as mla_attention picks it
+        return config_lib.default_mla_config(spec.num_q_heads, max(g.q_len or 1 for g in spec.groups))
     raise ValueError(f"unknown workload kind {spec.kind!r}")
 
 

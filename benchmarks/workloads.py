@@ -18,16 +18,20 @@ Metric formulas (all counted from the host metadata, never from the kernel):
   window; a windowed decode reads ``min(seq_len, left + 1)``)
 * sparse MLA FLOPs     = Σ_tokens Σ_valid-indices (2 · H · 576  +  2 · H · 512)      (QKᵀ over 576, PV over 512)
 * sparse gathered bytes = Σ_tokens Σ_valid-indices 576 · itemsize
+* dense MLA FLOPs      = Σ visible (query, key) pairs · H · (2 · 576  +  2 · 512)
+  (the exact causal count: token ``i`` of a request's ``q_len`` new tokens sees ``seq_len - q_len + i + 1`` keys, so
+  a request adds ``q_len·ctx + q_len·(q_len+1)/2`` pairs; a decode token sees all ``seq_len``)
+* dense MLA latent bytes = Σ_requests seq_len · 576 · itemsize  (each latent row read once, keys and values alike)
 
 A spec also carries the model-family features of docs/design.md#model-family-features (``window_size``,
 ``softcap``, ``sinks`` and ``alibi`` on/off; the f32[num_q_heads] sinks and slopes are drawn in
 :func:`build_arrays`), and may name a ``twin``: the workload of the same run it is measured against (W1 against
 the same batch at a short context, W2 against P2).
 
-Every workload has a ``--tiny`` twin (same structure, a few dozen tokens, 4 query heads) so the whole
-harness runs on CPU in interpret mode in seconds. Beside the standard workloads, :data:`FAMILIES` holds grids run on
-demand (``--family NAME``): the split-KV sweep, the prefill shapes the default-backend rule is set on, and sparse
-decode batches of other sizes.
+Every workload has a ``--tiny`` twin (same structure, a few dozen tokens, 4 query heads; the MLA ones a few hundred
+tokens, 16 heads at their real 576 / 512 dims) so the whole harness runs on CPU in interpret mode in seconds.
+Beside the standard workloads, :data:`FAMILIES` holds grids run on demand (``--family NAME``): the split-KV sweep,
+the prefill shapes the default-backend rule is set on, and sparse decode batches of other sizes.
 """
 
 from __future__ import annotations
@@ -68,8 +72,11 @@ class Spec:
     """One benchmark workload.
 
     kind: ``prefill`` (packed contiguous q/k/v, :func:`pallas_attn.varlen_attention`), ``decode`` (one query per
-    request over a paged cache), ``ragged`` (packed new tokens over a paged cache, :func:`pallas_attn.paged_attention`)
-    or ``sparse`` (top-k sparse MLA over a paged latent cache).
+    request over a paged cache), ``ragged`` (packed new tokens over a paged cache, :func:`pallas_attn.paged_attention`),
+    ``sparse`` (top-k sparse MLA over a paged latent cache) or ``mla`` (dense MLA over a paged latent cache,
+    :func:`pallas_attn.mla_attention`: a decode when every request has one new token, else causal multi-token
+    steps). Both MLA kinds keep one latent head per position (``num_kv_heads`` 1) of ``head_dim`` dims (576), the
+    values its first ``kv_lora_rank``.
     units: the derived metrics reported, primary first.
     family: "" for the standard workloads, else the :data:`FAMILIES` grid the workload belongs to (anchors and the
     jnp floor run on the standard workloads only).
@@ -93,7 +100,7 @@ class Spec:
     dtype: str = "bfloat16"
     block_size: int = 16
     topk: int = 0  # sparse only
-    kv_lora_rank: int = 512  # sparse only: value dims (the first kv_lora_rank of head_dim)
+    kv_lora_rank: int = 512  # sparse and mla only: value dims (the first kv_lora_rank of head_dim)
     units: tuple[str, ...] = ("TFLOP/s",)
     family: str = ""
     window_size: tuple[int, int] = (-1, -1)  # (left, right); -1 means unbounded
@@ -160,6 +167,7 @@ def _gpt_oss_decode(ctx: int, window: int, batch: int, shapes: dict) -> tuple[Sp
 
 
 _P1_LENS = (8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256)
+_MLA = dict(num_kv_heads=1, head_dim=576, kv_lora_rank=512, block_size=64)  # the latent cache of L1 and L2
 
 WORKLOADS: dict[str, Spec] = {s.id: s for s in [
     Spec("P1", "prefill", "varlen prefill, 16 requests 256..8192", (Group(_P1_LENS),)),
@@ -176,6 +184,11 @@ WORKLOADS: dict[str, Spec] = {s.id: s for s in [
     Spec("S1", "sparse", "sparse MLA decode, 64 requests ctx 32768, top-k 2048, 128 heads, 576/512",
          (Group((32768,) * 64, 1),), num_q_heads=128, num_kv_heads=1, head_dim=576, block_size=64, topk=2048,
          units=("TFLOP/s", "GB/s")),
+    # DeepSeek-V3 / Kimi-K2 attention: 128 heads, 16 on each GPU of a tensor-parallel group of 8
+    Spec("L1", "mla", "dense MLA decode, 128 requests ctx 4k..8k, 16 heads (TP-8 of 128), block 64, 576/512",
+         (Group(Draw(4096, 8192, 128), 1),), num_q_heads=16, units=("GB/s", "TFLOP/s"), **_MLA),
+    Spec("L2", "mla", "dense MLA, 64 requests ctx 8192, 2 new tokens each (MTP), 128 heads, block 64, 576/512",
+         (Group((8192,) * 64, 2),), num_q_heads=128, units=("TFLOP/s", "GB/s"), **_MLA),
     # model-family workloads (not in the default run; --only W1,W2 runs them and their twins)
     *_gpt_oss_decode(32768, 128, 64, dict(num_q_heads=64, num_kv_heads=8, head_dim=64)),
     Spec("W2", "prefill", "Mistral-shaped prefill, one request of 32768, sliding window 4096", (Group((32768,)),),
@@ -193,6 +206,10 @@ TINY_WORKLOADS: dict[str, Spec] = {s.id: s for s in [
          units=("GB/s", "TFLOP/s"), **_TINY),
     Spec("S1", "sparse", "tiny sparse MLA decode", (Group((128,) * 2, 1),), num_q_heads=16, num_kv_heads=1,
          head_dim=576, block_size=16, topk=64, units=("TFLOP/s", "GB/s")),
+    Spec("L1", "mla", "tiny dense MLA decode", (Group(Draw(100, 300, 4), 1),), num_q_heads=16,
+         units=("GB/s", "TFLOP/s"), **{**_MLA, "block_size": 16}),
+    Spec("L2", "mla", "tiny dense MLA, 2 new tokens each", (Group((96, 150, 257), 2),), num_q_heads=16,
+         units=("TFLOP/s", "GB/s"), **{**_MLA, "block_size": 16}),
     *_gpt_oss_decode(96, 16, 4, _TINY),
     Spec("W2", "prefill", "tiny windowed prefill", (Group((96,)),), window_size=(31, 0), twin="P2", **_TINY),
 ]}
@@ -394,6 +411,11 @@ class HostBatch:
     def paged(self) -> bool:
         return self.spec.kind != "prefill"
 
+    @property
+    def one_token_each(self) -> bool:
+        """Every request has one new token: the MLA kinds then call without ``cu_query_lens`` (decode)."""
+        return bool(np.all(self.q_lens == 1))
+
     # ---- derived metrics -------------------------------------------------------------------------------------
     def visible_pairs(self) -> int:
         """Σ over queries of the keys each sees: positions ``ctx .. seq_len - 1``, the query at ``p`` seeing
@@ -416,6 +438,8 @@ class HostBatch:
         if s.kind == "sparse":
             valid = int(np.sum(self.topk_indices >= 0))
             return float(valid * (2 * s.num_q_heads * s.head_dim + 2 * s.num_q_heads * s.kv_lora_rank))
+        if s.kind == "mla":  # QKᵀ over the 576 dims, P·V over the first kv_lora_rank
+            return float(self.visible_pairs() * s.num_q_heads * (2 * s.head_dim + 2 * s.kv_lora_rank))
         return float(4 * self.visible_pairs() * s.head_dim * s.num_q_heads)
 
     def bytes_moved(self) -> float:
@@ -423,6 +447,8 @@ class HostBatch:
         item = s.jnp_dtype.itemsize
         if s.kind == "sparse":
             return float(int(np.sum(self.topk_indices >= 0)) * s.head_dim * item)
+        if s.kind == "mla":  # one latent row per key, read once for keys and values
+            return float(int(np.sum(self.keys_read())) * s.head_dim * item)
         kv = int(np.sum(self.keys_read())) * s.num_kv_heads * 2 * s.kv_row_bytes
         q_out = 2 * self.num_tokens * s.num_q_heads * s.head_dim * item
         return float(kv + q_out)
@@ -442,7 +468,7 @@ class HostBatch:
         q = self.num_tokens * s.num_q_heads * s.head_dim * item
         if s.kind == "prefill":
             return q + 2 * self.num_tokens * s.num_kv_heads * s.head_dim * item
-        if s.kind == "sparse":
+        if s.kind in ("sparse", "mla"):
             return q + self.num_pages * s.block_size * s.head_dim * item
         pages = self.num_pages
         if touched and s.window_left >= 0:  # the pages of each request's keys_read, a window straddling one more
@@ -530,6 +556,8 @@ class Batch:
                context_lens i32[B]
       ragged:  q [T, Hq, D], k_cache/v_cache, block_tables, seq_lens i32[B], cu_query_lens i32[B+1]
       sparse:  q [T, H, 576], kv_cache [num_pages, block_size, 576], block_tables, topk_indices i32[T, topk]
+      mla:     q [T, H, 576], kv_cache [num_pages, block_size, 576], block_tables, seq_lens i32[B],
+               cu_query_lens i32[B+1] (passed only when some request has more than one new token)
       and, for every kind, sinks f32[Hq] and alibi_slopes f32[Hq] (passed only where the spec, or a ``--variant``,
       turns them on: :meth:`Spec.feature_kwargs`)
     """
@@ -586,6 +614,12 @@ def build_arrays(host: HostBatch, key: jax.Array) -> Batch:
         arrays["kv_cache"] = normal(kk, (host.num_pages, s.block_size, s.head_dim))
         arrays["block_tables"] = jnp.asarray(host.block_tables)
         arrays["topk_indices"] = jnp.asarray(host.topk_indices)
+    elif s.kind == "mla":
+        arrays["q"] = normal(kq, (T, s.num_q_heads, s.head_dim))
+        arrays["kv_cache"] = normal(kk, (host.num_pages, s.block_size, s.head_dim))
+        arrays["block_tables"] = jnp.asarray(host.block_tables)
+        arrays["seq_lens"] = jnp.asarray(host.seq_lens, jnp.int32)
+        arrays["cu_query_lens"] = jnp.asarray(host.cu_query_lens, jnp.int32)
     else:
         raise ValueError(f"unknown kind {s.kind!r}")
     # from a key of their own, so that q, k and v stay those the same key gave before these existed

@@ -207,6 +207,60 @@ def test_standard_workloads_match_their_definition():
     assert p1.num_tokens == 29184 and p1.flops() == 4 * sum(n * (n + 1) // 2 for n in p1.seq_lens) * 128 * 32
 
 
+# ------------------------------------------------------------------------------------ dense MLA (L1, L2)
+def test_tiny_mla_workloads_run_with_their_anchors(tmp_path):
+    """L1 (decode, no cu_query_lens) and L2 (two causal new tokens per request): ours, the jnp floor and the sparse
+    kernel over every position all match the reference; paged_attention/latent sits them out (576 > 512 dims)."""
+    assert run.main(["--tiny", "--only", "L1,L2", "--out", str(tmp_path), "--no-plots", "--target-s", "0.005"]) == 0
+    (path,) = tmp_path.glob("*-tiny.json")
+    rows = [r for r in json.loads(path.read_text()) if r["workload"] != "ceiling"]
+    impls = ("pallas_attn", "jnp", "sparse_mla_attention/all")
+    assert {(r["workload"], r["impl"], r["unit"]) for r in rows} == {
+        (w, i, u) for w in ("L1", "L2") for i in impls for u in ("GB/s", "TFLOP/s")}
+    for r in rows:
+        assert r["error"] is None and r["rel_err"] < 2e-2, (r["workload"], r["impl"], r["error"], r["rel_err"])
+        assert r["kind"] == "mla" and r["anchor"] == (r["impl"] != "pallas_attn")
+        assert r["metric"] > 0 and r["ratio_to_ceiling"] > 0 and r["ratio_to_best_anchor"] > 0
+
+
+def test_mla_workloads_match_their_definition():
+    import numpy as np
+
+    from benchmarks import anchors, sweep, workloads as wl
+    l1, l2 = (wl.build_host(wl.WORKLOADS[i]) for i in ("L1", "L2"))
+    assert np.array_equal(l1.seq_lens, np.random.default_rng(0).integers(4096, 8193, 128))
+    assert l1.one_token_each and l1.num_tokens == 128 and l1.spec.num_q_heads == 16
+    assert l1.bytes_moved() == l1.seq_lens.sum() * 576 * 2  # the latent rows, each read once
+    assert l1.flops() == l1.seq_lens.sum() * 16 * (2 * 576 + 2 * 512)
+    assert not l2.one_token_each and l2.num_tokens == 128 and l2.max_query_len == 2
+    pairs = 64 * (8191 + 8192)  # causal: the first new token sees 8191 keys, the second all 8192
+    assert l2.visible_pairs() == pairs and l2.flops() == pairs * 128 * (2 * 576 + 2 * 512)
+    topk = anchors.all_positions_topk(l2)  # every key a token sees, ascending, -1 after
+    assert topk.shape == (128, 8192) and int(np.sum(topk >= 0)) == pairs
+    assert np.array_equal(topk[0, :8191], np.arange(8191)) and topk[0, 8191] == -1 and topk[1, 8191] == 8191
+    assert all(e["config"].block_h <= 16 for e in sweep.stage1(l1.spec, tiny=False))  # L1 has 16 heads
+    assert sweep.stage2(l2.spec, sweep.stage1(l2.spec, tiny=True)[0], tiny=True)[1]["num_splits"] == 2
+
+
+def test_paged_attention_anchor_runs_mla_below_its_head_dim_limit():
+    """paged_attention/latent serves no 576-dim workload (the limit, not an error row); with a latent of 96 dims
+    (64 values) it runs and matches reference.mla_attention."""
+    import dataclasses as dc
+
+    import jax
+
+    from benchmarks import anchors, checks, impls, workloads as wl
+    (paged,) = [i for i in anchors.ANCHORS if i.name == "paged_attention/latent"]
+    assert not paged.serves(wl.WORKLOADS["L1"]) and paged.unsupported(wl.WORKLOADS["L2"]) == {"head_dim 576 > 512"}
+    narrow = dc.replace(wl.TINY_WORKLOADS["L2"], head_dim=96, kv_lora_rank=64)
+    assert paged.serves(narrow)
+    batch = wl.build_arrays(wl.build_host(narrow), jax.random.key(0))
+    prepared = paged.prepare([batch], impls.Options(interpret=True, tiny=True))
+    out = prepared.canonical(prepared.fn(*prepared.args[0]))
+    assert out.shape == (batch.host.num_tokens, narrow.num_q_heads, 64)
+    assert checks.rel_err(out, checks.reference_subset(batch)) < 2e-2
+
+
 # ------------------------------------------------------------------------------------ jax_pallas_mgpu anchor
 P1_GROUPS = [(2, 256), (4, 512), (4, 1024), (3, 2048), (2, 4096), (1, 8192)]  # (requests, length), lengths ascending
 

@@ -71,6 +71,21 @@ def test_report_is_deterministic_and_the_command_prints_it(capsys):
     assert capsys.readouterr().out == report.render(CANONICAL) + "\n"
 
 
+def test_report_orders_the_standard_workloads_first(tmp_path):
+    def row(workload, impl, metric):
+        return {"workload": workload, "impl": impl, "unit": "GB/s", "metric": metric, "error": None,
+                "device": "NVIDIA H200", "date": "2026-12-04", "versions": {"jax": "0.11.2"},
+                "anchor": impl != "pallas_attn"}
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps([row("X9", "jnp", 1.0), row("L2", "pallas_attn", 2.0), row("L1", "jnp", 1850.0),
+                                row("S1", "jnp", 4.0), row("L1", "pallas_attn", 3700.0)]))
+    table = _table_rows(report.render(path))
+    assert list(table) == ["S1", "L1", "L2", "X9"]  # the standard order, then the others as the file has them
+    assert table["L1"][0].startswith("L1: dense MLA decode")
+    assert table["L1"][1:4] == ["3,700 GB/s", "jnp 1,850 GB/s", "×2.00"]
+
+
 def test_report_marks_missing_rows(tmp_path):
     rows = [{"workload": "ceiling", "impl": "copy", "unit": "GB/s", "metric": 4000.0, "error": None,
              "device": "NVIDIA H200", "date": "2026-12-03", "versions": {"jax": "0.11.2"}, "anchor": False},
