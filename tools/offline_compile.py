@@ -43,7 +43,8 @@ def report(fn, args, *, label: str) -> list[dict]:
 
 
 def main():
-    from pallas_attn import paged_attention, paged_decode_attention, sparse_mla_attention, varlen_attention
+    from pallas_attn import (mla_attention, paged_attention, paged_decode_attention, sparse_mla_attention,
+                             varlen_attention)
     from pallas_attn.core import config as cfg
 
     S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
@@ -68,6 +69,14 @@ def main():
     report(lambda q, kv, bt, idx: sparse_mla_attention(q, kv, bt, idx, interpret=False, backend="triton"),
            (S((64, 128, 576), bf16), S((32768, 64, 576), bf16), S((64, 512), i32), S((64, 2048), i32)),
            label=f"sparse {s}")
+    latent = S((128 * 128, 64, 576), bf16)  # dense MLA: L1 (16 heads decoding) and L2 (128 heads, 2 tokens a step)
+    report(lambda q, kv, bt, sl: mla_attention(q, kv, bt, sl, num_splits=1, interpret=False, backend="triton"),
+           (S((128, 16, 576), bf16), latent, S((128, 128), i32), S((128,), i32)),
+           label=f"mla L1 {cfg.default_mla_config(16, 1)}")
+    report(lambda q, kv, bt, sl, cu: mla_attention(q, kv, bt, sl, cu, max_query_len=2, num_splits=1, interpret=False,
+                                                   backend="triton"),
+           (S((128, 128, 576), bf16), latent, S((64, 128), i32), S((64,), i32), S((65,), i32)),
+           label=f"mla L2 {cfg.default_mla_config(128, 2)}")
 
 
 if __name__ == "__main__":
