@@ -3,10 +3,11 @@
 Every kernel is tested against the function of the same name here, never against another kernel. These are
 plain, slow, float32 jnp implementations written to be read: a Python loop over requests, pages gathered with
 plain indexing, masks from absolute positions. They read lengths and page tables on the host, so (apart from
-`merge_attention_states`) they are not jittable; that is fine for an oracle. Each one returns float32 `out`, or
+`merge_attention_states` and `varlen_attention_dense`) they are not jittable; that is fine for an oracle. Each one returns float32 `out`, or
 `(out, lse)` with `return_lse=True`; a query row that sees no key gives `out = 0`, `lse = -inf`.
 
     varlen_attention        packed prefill over contiguous K/V, causal or not, GQA
+    varlen_attention_dense  the same, jittable and differentiable: one masked [T, T] attention (the gradients' oracle)
     paged_decode_attention  one query per request over a paged KV cache
     paged_attention         ragged queries over a paged KV cache (decode, verification, chunked/fresh prefill)
     sparse_mla_attention    top-k sparse attention over a shared MLA latent cache (576 = 512 + 64)
@@ -33,6 +34,7 @@ from .attention import (
     quantize_kv,
     sparse_mla_attention,
     varlen_attention,
+    varlen_attention_dense,
 )
 
 __all__ = [
@@ -47,4 +49,5 @@ __all__ = [
     "quantize_kv",
     "sparse_mla_attention",
     "varlen_attention",
+    "varlen_attention_dense",
 ]

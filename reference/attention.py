@@ -1,7 +1,7 @@
 """Pure-jnp reference attention: the definition of "correct" for every kernel in `pallas_attn`.
 
 Written for clarity, not speed: lengths and page tables are read on the host (`np.asarray`, so these functions
-are not jittable, except `merge_attention_states`), requests are handled one at a time in a Python loop, pages
+are not jittable, except `merge_attention_states` and `varlen_attention_dense`), requests are handled one at a time in a Python loop, pages
 are gathered with plain indexing, all math is float32 with matmuls at `Precision.HIGHEST` (no TF32 on GPU), and
 every mask is built from absolute key / query positions. Nothing here imports a kernel.
 
@@ -193,13 +193,13 @@ def _visible(query_pos: np.ndarray, key_pos: np.ndarray, causal: bool, window_si
     """
     offset = key_pos[None, :] - query_pos[:, None]  # [M, N]: j - i
     left, right = window_size
-    visible = np.ones(offset.shape, bool)
+    visible = offset == offset  # all True, in the positions' own array type (numpy, or jnp when traced)
     if causal:
-        visible &= offset <= 0
+        visible = visible & (offset <= 0)
     if left >= 0:
-        visible &= offset >= -left
+        visible = visible & (offset >= -left)
     if right >= 0:
-        visible &= offset <= right
+        visible = visible & (offset <= right)
     return visible
 
 
@@ -294,8 +294,9 @@ def _attend(q, k, v, visible, scale, *, query_pos=None, key_pos=None, alibi_slop
     s = jnp.where(visible, s, -jnp.inf)
     # `initial` makes the max of an empty or fully masked row -inf instead of an error.
     row_max = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
-    # Shift by 0 for rows with no visible key so that no -inf - -inf NaN is ever formed.
-    shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    # Shift by 0 for rows with no visible key so that no -inf - -inf NaN is ever formed. The softmax and the LSE do
+    # not depend on the shift, so no gradient flows through it (varlen_attention_dense differentiates this).
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     p = jnp.exp(s - shift)  # [Hkv, G, M, N]; 0 where masked
     denom = p.sum(axis=-1)  # [Hkv, G, M]; >= 1 when the row sees a key
     out = jnp.einsum("kgmn,nkd->mkgd", p, v, precision=_HIGHEST)  # [M, Hkv, G, Dv]
@@ -349,6 +350,38 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen=None, causal=True, softm
                        **features)
         out[start:end], lse[start:end] = np.asarray(o), np.asarray(l)
     return _finish(out, lse, return_lse)
+
+
+def varlen_attention_dense(q, k, v, cu_seqlens, *, max_seqlen=None, causal=True, softmax_scale=None,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, return_lse=False,
+                           interpret=None):
+    """`varlen_attention`, jittable and differentiable: one masked [T, T] attention over all packed rows at once
+    (memory O(T² · Hq): for tests and small models), with the same arguments and results. Everything is traced:
+    `cu_seqlens` may be a traced array, read as `_request_rows` reads it. The gradient of a row that belongs to no
+    request (or past `max_seqlen` in its request) is zero, and nothing of it (NaN included) reaches another row's
+    gradient: such rows are replaced by zeros before any product. Gradients flow to q, k, v and `sinks`.
+    """
+    del interpret
+    num_tokens, num_q_heads, head_dim = q.shape
+    _check_gqa(num_q_heads, k.shape[1])
+    window, features = _check_features(num_q_heads, window_size, softcap, alibi_slopes, sinks)
+    scale = _scale(softmax_scale, head_dim)
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with num_seqs + 1 >= 1 entries; got shape {cu.shape}")
+    cu = jnp.minimum(jax.lax.cummax(jnp.maximum(cu, 0)), num_tokens)  # `_request_rows`, traced
+    tok = jnp.arange(num_tokens)
+    req = jnp.clip(jnp.searchsorted(cu, tok, side="right") - 1, 0, cu.shape[0] - 1)
+    local = tok - cu[req]
+    owned = (tok >= cu[0]) & (tok < cu[-1])
+    if max_seqlen is not None:
+        owned &= local < max_seqlen
+    visible = (req[:, None] == req[None, :]) & owned[:, None] & owned[None, :] & _visible(local, local, causal,
+                                                                                          window)
+    rows = owned[:, None, None]
+    q, k, v = (jnp.where(rows, jnp.asarray(x), jnp.zeros((), jnp.asarray(x).dtype)) for x in (q, k, v))
+    out, lse = _attend(q, k, v, visible, scale, query_pos=local, key_pos=local, **features)
+    return (out, lse) if return_lse else out
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens=None, *, softmax_scale=None,
