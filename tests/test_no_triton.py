@@ -48,6 +48,8 @@ WITHOUT_TRITON = textwrap.dedent("""
     raises(lambda: pa.paged_decode_attention(qd, kc, vc, bt, lens), "paged_decode_attention", "Triton")
     raises(lambda: pa.paged_attention(qd, kc, vc, bt, lens, jnp.array([0, 1, 2], jnp.int32), max_query_len=1),
            "paged_attention", "Triton")
+    grad = jax.grad(lambda q: pa.varlen_attention(q, k, v, cu, max_seqlen=70).astype(jnp.float32).sum())
+    raises(lambda: grad(q), "the gradient of varlen_attention", "no Mosaic GPU kernel")  # the backward is Triton's
     raises(lambda: pa.varlen_attention(q, k, v, cu, max_seqlen=70, backend="triton"), "varlen_attention",
            "backend='triton'")
     raises(lambda: pa.varlen_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), cu,

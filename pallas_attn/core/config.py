@@ -228,6 +228,20 @@ def chunk_rows(head_dim: int, dtype_bytes: int) -> int:
     return 64 if narrow_tiles(head_dim, dtype_bytes) else 128
 
 
+def default_backward_config(head_dim: int) -> PrefillConfig:
+    """The varlen backward's tiles (:mod:`pallas_attn.kernels.triton.prefill_bwd`): ``block_m`` query rows of one
+    head and ``block_n`` keys, narrower as the head grows: the dK / dV program holds two ``[block_n, D]`` float32
+    accumulators beside its K / V tile. Chosen so that neither kernel spills at P1's shapes
+    (``tools/offline_compile.py``; 64 × 64 tiles on 8 warps spill at head dim 128); not yet timed on a GPU."""
+    padded = next_pow2(head_dim)
+    if padded <= 64:
+        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    if padded <= 128:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return PrefillConfig(block_m=32 if padded <= 256 else 16, block_n=32 if padded <= 256 else 16, num_warps=8,
+                         num_stages=2)
+
+
 def default_chunk_config(head_dim: int, block_size: int, dtype_bytes: int = 2) -> DecodeConfig:
     """The prefill-chunk pass of :func:`pallas_attn.paged_attention` (queries longer than 16 tokens in a mixed
     batch): compute-bound like prefill, so 8 warps over :func:`chunk_rows`-row query blocks; narrow tiles (float32,

@@ -1,7 +1,9 @@
 """``varlen_attention``: packed varlen prefill — validation, backend choice, the jitted public function.
 
-Kernels: :mod:`pallas_attn.kernels.triton.prefill` and :mod:`pallas_attn.kernels.mosaic.prefill` (Hopper).
-Reference: :func:`pallas_attn.reference.varlen_attention`.
+Kernels: :mod:`pallas_attn.kernels.triton.prefill` and :mod:`pallas_attn.kernels.mosaic.prefill` (Hopper); the
+backward pass :mod:`pallas_attn.kernels.triton.prefill_bwd`, behind :func:`jax.custom_vjp`.
+Reference: :func:`pallas_attn.reference.varlen_attention` (gradients: autodiff of
+:func:`pallas_attn.reference.varlen_attention_dense`).
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
-from pallas_attn.core import backend as backend_lib, config as config_lib, masks, validation
+from pallas_attn.core import backend as backend_lib, config as config_lib, masks, metadata, softmax, validation
 from pallas_attn.kernels.mosaic import prefill as mosaic_prefill
-from pallas_attn.kernels.triton import prefill as triton_prefill
+from pallas_attn.kernels.triton import prefill as triton_prefill, prefill_bwd
 from pallas_attn.ops import common
 
 
@@ -60,18 +63,69 @@ def default_backend(q, k, max_seqlen: int, interpret: bool, mods: masks.ScoreMod
 _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
+def _owned_rows(cu_seqlens, num_tokens: int, max_seqlen: int):
+    """``bool[T]``: the rows a request owns within its first ``max_seqlen`` (those the kernels compute)."""
+    cu = metadata.clamp_cu(cu_seqlens, num_tokens)
+    req = metadata.token_requests(cu, num_tokens)
+    local = jnp.arange(num_tokens, dtype=jnp.int32) - cu[jnp.maximum(req, 0)]
+    return (req >= 0) & (local < max_seqlen)
+
+
+def _differentiable(forward, *, max_seqlen: int, causal: bool, scale: float, interpret: bool,
+                    cfg: config_lib.PrefillConfig, mods: masks.ScoreMods):
+    """``forward`` ((q, k, v, cu_seqlens, alibi_slopes, sinks) → (out, lse)) under :func:`jax.custom_vjp`: the
+    forward saves ``out`` and the LSE, the backward runs the Triton kernels of
+    :mod:`pallas_attn.kernels.triton.prefill_bwd` (the docstring there has the formulas). Gradients reach q, k, v
+    and the sinks; a cotangent on the returned LSE is honoured."""
+
+    @jax.custom_vjp
+    def attention(q, k, v, cu_seqlens, alibi_slopes, sinks):
+        return forward(q, k, v, cu_seqlens, alibi_slopes, sinks)
+
+    def attention_fwd(q, k, v, cu_seqlens, alibi_slopes, sinks):
+        out, lse = forward(q, k, v, cu_seqlens, alibi_slopes, sinks)
+        return (out, lse), (q, k, v, cu_seqlens, alibi_slopes, sinks, out, lse)
+
+    def attention_bwd(residuals, cotangents):
+        q, k, v, cu_seqlens, alibi_slopes, sinks, out, lse = residuals
+        d_out, d_lse = cotangents
+        backend_lib.require_triton("the gradient of varlen_attention", "its backward pass has no Mosaic GPU kernel "
+                                   "yet")
+        owned = _owned_rows(cu_seqlens, q.shape[0], max_seqlen)[:, None]  # [T, 1]
+        sees_keys = jnp.isfinite(lse) & owned  # [T, Hq]
+        d_out = jnp.where(owned[..., None], d_out, jnp.zeros((), d_out.dtype))  # padding cotangents reach nothing
+        delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [T, Hq]: rowsum(dO ∘ O)
+        denominator = lse if sinks is None else jnp.logaddexp(lse, sinks.astype(jnp.float32))  # [T, Hq], natural
+        # A returned LSE's cotangent: d lse / d s_j = exp(s_j - lse) = P_j · exp(L - lse), folded into D.
+        lse_per_p = jnp.where(sees_keys, jnp.exp(denominator - jnp.where(sees_keys, lse, 0.0)), 0.0)
+        delta_lse = delta - jnp.where(sees_keys, d_lse, 0.0) * lse_per_p
+        l2 = jnp.where(sees_keys, denominator * softmax.LOG2E, jnp.inf)  # a row with no key: P = 0
+        dq, dk, dv = prefill_bwd.varlen_attention_bwd_triton(
+            q, k, v, cu_seqlens, d_out.astype(q.dtype), l2, delta_lse, alibi_slopes, max_seqlen=max_seqlen,
+            causal=causal, scale=scale, interpret=interpret, cfg=cfg, mods=mods)
+        zero = lambda x, like: jnp.where(owned[..., None], x, 0.0).astype(like.dtype)  # noqa: E731  unwritten rows
+        d_sinks = None
+        if sinks is not None:  # d/d sink_h = -Σ_rows P_sink · D, P_sink = exp(sink - L); a row with no key has D = 0
+            p_sink = jnp.exp(sinks.astype(jnp.float32) - jnp.where(owned, denominator, jnp.inf))
+            d_sinks = -jnp.sum(jnp.where(owned, p_sink * delta, 0.0), axis=0).astype(sinks.dtype)
+        return zero(dq, q), zero(dk, k), zero(dv, v), None, None, d_sinks
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
+
+
 @common.front(arrays=("q", "k", "v", "alibi_slopes", "sinks"), int_arrays=("cu_seqlens",),
               statics=dict(max_seqlen=validation.check_static_int, causal=validation.check_static_bool,
                            softmax_scale=validation.check_softmax_scale, window_size=validation.check_window_size,
                            softcap=validation.check_softcap, return_lse=validation.check_static_bool,
                            interpret=_OPTIONAL_BOOL))
 @functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "window_size", "softcap",
-                                             "return_lse", "interpret", "config", "backend"))
+                                             "return_lse", "interpret", "config", "backend", "backward_config"))
 def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = True, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
                      return_lse: bool = False, interpret: bool | None = None,
                      config: config_lib.PrefillConfig | config_lib.MosaicPrefillConfig | None = None,
-                     backend: str | None = None):
+                     backend: str | None = None, backward_config: config_lib.PrefillConfig | None = None):
     """Attention over requests packed along the token axis; each request sees only its own tokens.
 
     Args:
@@ -106,11 +160,20 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         Mosaic on a compiled sm_90 GPU where it applies and was measured faster (``max_seqlen >=
         MOSAIC_MIN_SEQLEN[head_dim]``, head dims 64 and 128, and ``num_tokens >= MOSAIC_MIN_TOKENS``), else Triton
         (every other head dim).
+      backward_config: the backward pass's tiles (:class:`pallas_attn.core.config.PrefillConfig`: ``block_m``
+        query rows of one head, ``block_n`` keys, warps, stages); None: :func:`pallas_attn.core.config.
+        default_backward_config`.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked). Array arguments may be
-      numpy arrays or lists (converted; integer lists to int32). No backward pass: ``jax.grad`` raises
-      ``NotImplementedError``.
+      numpy arrays or lists (converted; integer lists to int32).
+
+    Gradients: ``jax.grad`` / ``jax.vjp`` reach ``q``, ``k``, ``v`` (GQA: dK and dV summed over each group) and
+    ``sinks``, with every feature above and a cotangent on the returned LSE; the forward saves only ``out`` and the
+    LSE, and the backward (Triton kernels, either forward backend) recomputes the probabilities tile by tile. Rows
+    no request owns, and a request's rows past ``max_seqlen``, get zero gradients, and nothing in them (NaN
+    included) reaches another row's. No atomics: the gradients are bit-identical run to run. ``alibi_slopes`` and
+    ``cu_seqlens`` get none. Forward-mode (``jax.jvp``) raises.
 
     Example:
       >>> cu = jnp.array([0, 6, 10], jnp.int32)          # request A: 6 tokens, B: 4 tokens
@@ -129,13 +192,16 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         function="varlen_attention")
     if q.shape[0] == 0 or cu_seqlens.shape[0] == 1:  # no tokens or no request: every row is padding, no kernel
         return common.no_rows(*q.shape, q.dtype, return_lse)
+    # The forward always computes the LSE (a float per row and head): the backward needs it.
     if backend == "mosaic":
         run = functools.partial(mosaic_prefill.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
-                                scale=float(scale), return_lse=return_lse, interpret=interpret,
+                                scale=float(scale), return_lse=True, interpret=interpret,
                                 cfg=config or config_lib.default_mosaic_prefill_config(q.shape[-1]), mods=mods)
-        out, lse = common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens, alibi_slopes, sinks)
-        return (out, lse) if return_lse else out
-    cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
-    run = functools.partial(triton_prefill.varlen_attention_triton, max_seqlen=max_seqlen, causal=causal,
-                            scale=float(scale), return_lse=return_lse, interpret=interpret, cfg=cfg, mods=mods)
-    return common.no_backward("varlen_attention", run)(q, k, v, cu_seqlens, alibi_slopes, sinks)
+    else:
+        cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
+        run = functools.partial(triton_prefill.varlen_attention_triton, max_seqlen=max_seqlen, causal=causal,
+                                scale=float(scale), return_lse=True, interpret=interpret, cfg=cfg, mods=mods)
+    attention = _differentiable(run, max_seqlen=max_seqlen, causal=causal, scale=float(scale), interpret=interpret,
+                                cfg=backward_config or config_lib.default_backward_config(q.shape[-1]), mods=mods)
+    out, lse = attention(q, k, v, cu_seqlens, alibi_slopes, sinks)
+    return (out, lse) if return_lse else out
