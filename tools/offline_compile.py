@@ -43,8 +43,13 @@ def report(fn, args, *, label: str) -> list[dict]:
 
 
 def main():
-    from pallas_attn import (mla_attention, paged_attention, paged_decode_attention, sparse_mla_attention,
-                             varlen_attention)
+    from pallas_attn import (
+        mla_attention,
+        paged_attention,
+        paged_decode_attention,
+        sparse_mla_attention,
+        varlen_attention,
+    )
     from pallas_attn.core import config as cfg
 
     S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
@@ -69,6 +74,14 @@ def main():
     report(lambda q, kv, bt, idx: sparse_mla_attention(q, kv, bt, idx, interpret=False, backend="triton"),
            (S((64, 128, 576), bf16), S((32768, 64, 576), bf16), S((64, 512), i32), S((64, 2048), i32)),
            label=f"sparse {s}")
+    for d in (64, 128, 256):  # the varlen backward (dK / dV, then dQ) after its forward, P1-like shapes
+        def grads(q, k, v, cu):
+            loss = lambda q, k, v: varlen_attention(q, k, v, cu, max_seqlen=8192, interpret=False,  # noqa: E731
+                                                    backend="triton").astype(jnp.float32).sum()
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+        report(grads, (S((8192, 32, d), bf16), S((8192, 8, d), bf16), S((8192, 8, d), bf16), S((3,), i32)),
+               label=f"varlen forward + backward d{d} {cfg.default_backward_config(d)}")
     latent = S((128 * 128, 64, 576), bf16)  # dense MLA: L1 (16 heads decoding) and L2 (128 heads, 2 tokens a step)
     report(lambda q, kv, bt, sl: mla_attention(q, kv, bt, sl, num_splits=1, interpret=False, backend="triton"),
            (S((128, 16, 576), bf16), latent, S((128, 128), i32), S((128,), i32)),
