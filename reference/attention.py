@@ -1,9 +1,10 @@
 """Pure-jnp reference attention: the definition of "correct" for every kernel in `pallas_attn`.
 
 Written for clarity, not speed: lengths and page tables are read on the host (`np.asarray`, so these functions
-are not jittable, except `merge_attention_states` and `varlen_attention_dense`), requests are handled one at a time in a Python loop, pages
-are gathered with plain indexing, all math is float32 with matmuls at `Precision.HIGHEST` (no TF32 on GPU), and
-every mask is built from absolute key / query positions. Nothing here imports a kernel.
+are not jittable, except `merge_attention_states` and `varlen_attention_dense`), requests are handled one at a
+time in a Python loop, pages are gathered with plain indexing, all math is float32 with matmuls at
+`Precision.HIGHEST` (no TF32 on GPU), and every mask is built from absolute key / query positions. Nothing here
+imports a kernel.
 
 Shared conventions (docs/design.md#conventions):
   * GQA: query head `h` uses kv head `h // (num_q_heads // num_kv_heads)`.
