@@ -4,8 +4,8 @@ Every kernel is tested against the function of the same name here, never against
 plain, slow, float32 jnp implementations written to be read: a Python loop over requests, pages gathered with
 plain indexing, masks from absolute positions. They read lengths and page tables on the host, so (apart from
 `merge_attention_states` and `varlen_attention_dense`) they are not jittable; that is fine for an oracle. Each one
-returns float32 `out`, or
-`(out, lse)` with `return_lse=True`; a query row that sees no key gives `out = 0`, `lse = -inf`.
+returns float32 `out`, or `(out, lse)` with `return_lse=True`; a query row that sees no key gives `out = 0`,
+`lse = -inf`.
 
     varlen_attention        packed prefill over contiguous K/V, causal or not, GQA
     varlen_attention_dense  the same, jittable and differentiable: one masked [T, T] attention (the gradients' oracle)
