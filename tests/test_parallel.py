@@ -72,6 +72,24 @@ def check_tp_varlen(rng):
     assert_attention_close(np.asarray(out)[:n], reference.varlen_attention(q, k, v, cu)[:n], dtype=jnp.float32)
 
 
+def check_tp_varlen_grad(rng):
+    """Training under tensor parallelism: the gradients of the head-sharded call equal the one-device ones."""
+    lens = [33, 16, 1]
+    q, cu = random_packed(rng, lens, 4, 16, jnp.float32, pad_to=56)
+    k, _ = random_packed(rng, lens, 2, 16, jnp.float32, pad_to=56)
+    v, _ = random_packed(rng, lens, 2, 16, jnp.float32, pad_to=56)
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    kw = dict(max_seqlen=64)
+    mesh = _mesh("tp")
+    sharded = parallel.tensor_parallel(varlen_attention, mesh, "tp", **kw)
+    grad = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, cu) * w), argnums=(0, 1, 2))(q, k, v)  # noqa: E731
+    with jax.set_mesh(mesh):  # the loss reduces the head-sharded output
+        grads = grad(sharded)
+    n = int(cu[-1])
+    for name, got, want in zip(("dq", "dk", "dv"), grads, grad(lambda *a: varlen_attention(*a, **kw))):
+        _same(f"varlen {name}", np.asarray(got)[:n], np.asarray(want)[:n], exact=False)
+
+
 def _decode_inputs(rng, ctx, bs=16, hq=8, hkv=4, d=64, dtype=jnp.float32):
     k_cache, v_cache, tables = make_paged_kv(rng, ctx, bs, hkv, d, dtype)
     q = jnp.asarray(rng.standard_normal((len(ctx), hq, d), np.float32), dtype)
@@ -233,8 +251,8 @@ def check_cp_decode_fp8(rng):
 
 
 CHECKS = {f.__name__.removeprefix("check_"): f for f in [
-    check_tp_varlen, check_tp_decode, check_tp_paged, check_tp_sparse, check_split_context_pages, check_cp_decode,
-    check_cp_decode_sinks_softcap, check_cp_decode_bf16_bs8, check_cp_decode_fp8]}
+    check_tp_varlen, check_tp_varlen_grad, check_tp_decode, check_tp_paged, check_tp_sparse, check_split_context_pages,
+    check_cp_decode, check_cp_decode_sinks_softcap, check_cp_decode_bf16_bs8, check_cp_decode_fp8]}
 
 
 def run_checks(names=None) -> int:
