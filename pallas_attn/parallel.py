@@ -16,6 +16,7 @@ kernel                      sharded arguments (others replicated)
 ``paged_decode_attention``  ``q`` on axis 1, ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]`` on axis 2
 ``paged_attention``         same as decode
 ``sparse_mla_attention``    ``q`` on axis 1 only: one shared latent head, the latent cache is replicated
+``mla_attention``           same as sparse MLA (DeepSeek-V3 on 8 GPUs: 16 of its 128 heads on each)
 ==========================  =======================================================================================
 
 Outputs (and LSEs) come back sharded on their head axis, i.e. one global array equal to the single-device result.
@@ -76,6 +77,7 @@ from pallas_attn.ops import common
 from pallas_attn.ops.common import renamed_argument
 from pallas_attn.ops.decode import paged_decode_attention
 from pallas_attn.ops.merge import merge_attention_states
+from pallas_attn.ops.mla import mla_attention
 from pallas_attn.ops.paged import paged_attention
 from pallas_attn.ops.sparse_mla import sparse_mla_attention
 from pallas_attn.ops.varlen import varlen_attention
@@ -93,12 +95,16 @@ def _placed(mesh: Mesh, axis: str, arrays, specs):
     return [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(arrays, specs)]
 
 
+_LATENT = (sparse_mla_attention, mla_attention)  # one shared latent head: only the queries' heads are split
+
+
 def tensor_parallel_specs(kernel: Callable, axis: str = "tp", *, with_cu_query_lens: bool = False
                           ) -> tuple[tuple[P, ...], P]:
     """``(in_specs, out_spec)`` sharding ``kernel``'s heads over mesh axis ``axis`` (its positional arrays, in order).
 
     ``out_spec`` is the spec of the output and of the LSE (both ``[tokens, heads, ...]``, sharded on axis 1).
-    ``with_cu_query_lens``: sparse MLA only, append a replicated spec for the ``cu_query_lens`` argument.
+    ``with_cu_query_lens``: MLA (sparse or dense) only, append a replicated spec for the ``cu_query_lens``
+    argument.
     """
     heads = P(None, axis)  # q / k / v / out [tokens, heads, D], lse [tokens, heads]
     cache = P(None, None, axis)  # [num_blocks, block_size, heads, D]
@@ -109,10 +115,10 @@ def tensor_parallel_specs(kernel: Callable, axis: str = "tp", *, with_cu_query_l
         return (heads, cache, cache, rep, rep), heads
     if kernel is paged_attention:  # q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens
         return (heads, cache, cache, rep, rep, rep), heads
-    if kernel is sparse_mla_attention:  # q, kv_cache, block_tables, topk_indices[, cu_query_lens]
+    if kernel in _LATENT:  # q, kv_cache, block_tables, topk_indices / seq_lens[, cu_query_lens]
         return (heads, rep, rep, rep) + ((rep,) if with_cu_query_lens else ()), heads
-    raise ValueError(f"tensor_parallel knows varlen_attention, paged_decode_attention, paged_attention and "
-                     f"sparse_mla_attention; got {kernel!r}")
+    raise ValueError(f"tensor_parallel knows varlen_attention, paged_decode_attention, paged_attention, "
+                     f"mla_attention and sparse_mla_attention; got {kernel!r}")
 
 
 def _check_heads(kernel, args, n: int) -> None:
@@ -131,15 +137,16 @@ def tensor_parallel(kernel: Callable, mesh: Mesh, axis: str = "tp", **static_kwa
 
     Args:
       kernel: one of :func:`pallas_attn.varlen_attention`, :func:`pallas_attn.paged_decode_attention`,
-        :func:`pallas_attn.paged_attention`, :func:`pallas_attn.sparse_mla_attention`.
+        :func:`pallas_attn.paged_attention`, :func:`pallas_attn.mla_attention`,
+        :func:`pallas_attn.sparse_mla_attention`.
       mesh: a :class:`jax.sharding.Mesh` holding ``axis`` (other axes, if any, replicate the work).
       axis: the mesh axis splitting the heads; ``num_q_heads`` and ``num_kv_heads`` must be divisible by its size.
       static_kwargs: the kernel's keyword arguments (``max_seqlen=``, ``max_query_len=``, ``num_splits=``,
         ``return_lse=``, ``config=``, ...), fixed for the returned function.
 
     Returns:
-      A jitted ``f(*arrays)`` taking the kernel's positional arrays (sparse MLA: optionally ``cu_query_lens`` as a
-      fifth one or keyword) and returning its output (and LSE), sharded on the head axis.
+      A jitted ``f(*arrays)`` taking the kernel's positional arrays (MLA: optionally ``cu_query_lens`` as a fifth
+      one or keyword) and returning its output (and LSE), sharded on the head axis.
 
     Example:
       >>> f = tensor_parallel(varlen_attention, jax.make_mesh((2,), ("tp",)), "tp", max_seqlen=128)
@@ -164,11 +171,12 @@ def tensor_parallel(kernel: Callable, mesh: Mesh, axis: str = "tp", **static_kwa
 
     def run(*arrays, cu_query_lens=None):
         if cu_query_lens is not None:
-            if kernel is not sparse_mla_attention:
-                raise TypeError("cu_query_lens= as a keyword is sparse_mla_attention's; pass it positionally")
+            if kernel not in _LATENT:
+                raise TypeError("cu_query_lens= as a keyword is mla_attention's and sparse_mla_attention's; pass it "
+                                "positionally")
             arrays = (*arrays, cu_query_lens)
         _check_heads(kernel, arrays, n)
-        with_cu = kernel is sparse_mla_attention and len(arrays) == 5
+        with_cu = kernel in _LATENT and len(arrays) == 5
         return _mapped(with_cu)(*arrays)
 
     run.__name__ = f"tensor_parallel_{getattr(kernel, '__name__', 'kernel')}"

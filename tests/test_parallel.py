@@ -24,6 +24,7 @@ import pytest
 
 from pallas_attn import (
     DecodeConfig,
+    mla_attention,
     paged_attention,
     paged_decode_attention,
     parallel,
@@ -159,6 +160,28 @@ def _cp_case(rng, ctx, dtype=jnp.float32, bs=16):
                                                 jnp.asarray(shards.seq_lens)), mesh
 
 
+def check_tp_mla(rng):
+    """Dense MLA with its heads over 2 devices (the latent cache replicated): decode, then a multi-token step with
+    cu_query_lens as a keyword or a fifth array."""
+    seq_lens, heads = [30, 7, 64], 8
+    kv, _, bt = make_paged_kv(rng, seq_lens, 16, None, 80, jnp.float32)
+    sl = jnp.asarray(seq_lens, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, heads, 80), np.float32))
+    kw = dict(kv_lora_rank=64, return_lse=True, num_splits=1)
+    f = parallel.tensor_parallel(mla_attention, _mesh("tp"), "tp", **kw)
+    out, lse = f(q, kv, bt, sl)
+    one, one_lse = mla_attention(q, kv, bt, sl, **kw)
+    _same("mla out", out, one)
+    _same("mla lse", lse, one_lse)
+    assert_attention_close(out, reference.mla_attention(q, kv, bt, sl, kv_lora_rank=64), dtype=jnp.float32)
+    cu = jnp.asarray([0, 2, 3, 3], jnp.int32)  # two new tokens for request 0, one for request 1, none for 2
+    f2 = parallel.tensor_parallel(mla_attention, _mesh("tp"), "tp", max_query_len=2, **kw)
+    out_kw, out_pos = f2(q, kv, bt, sl, cu_query_lens=cu)[0], f2(q, kv, bt, sl, cu)[0]
+    one = mla_attention(q, kv, bt, sl, cu, max_query_len=2, **kw)[0]
+    _same("mla cu out", out_kw, one)
+    _same("mla cu positional", out_pos, out_kw)
+
+
 def check_split_context_pages(rng):
     ctx = [70, 5, 0, 16, 17, 200]
     tables = np.arange(len(ctx) * 16).reshape(len(ctx), 16)
@@ -251,8 +274,9 @@ def check_cp_decode_fp8(rng):
 
 
 CHECKS = {f.__name__.removeprefix("check_"): f for f in [
-    check_tp_varlen, check_tp_varlen_grad, check_tp_decode, check_tp_paged, check_tp_sparse, check_split_context_pages,
-    check_cp_decode, check_cp_decode_sinks_softcap, check_cp_decode_bf16_bs8, check_cp_decode_fp8]}
+    check_tp_varlen, check_tp_varlen_grad, check_tp_decode, check_tp_paged, check_tp_sparse, check_tp_mla,
+    check_split_context_pages, check_cp_decode, check_cp_decode_sinks_softcap, check_cp_decode_bf16_bs8,
+    check_cp_decode_fp8]}
 
 
 def run_checks(names=None) -> int:
