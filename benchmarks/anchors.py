@@ -37,6 +37,22 @@ The other anchors declare no feature (``Impl.features``): the harness does not r
 ``--variant``, that uses one.
   naive_triton       naive Triton varlen prefill (one program per request tile, no tile classes) through
                      jax-triton (P1, P2; :mod:`benchmarks.naive_triton`)
+
+Training steps (P1-bwd, P2-bwd): the forward anchors above, in the same layouts, wrapped by
+:func:`benchmarks.impls.with_grads` (forward + backward through ``jax.vjp``, the cotangent laid out like the output
+outside the timing), and one anchor of their own:
+  cudnn              cuDNN's fused backward (JAX's custom_vjp of the cuDNN call), padded as above; the cotangent
+                     is zero in the padding
+  jax_pallas_mha     mha's Triton backward (its custom_vjp): backward blocks 64 (dK/dV and dQ tiles alike), the
+                     dK/dV of the repeated heads summed over each group for the check only (outside the timing)
+  jnp                jax.grad through the floor, each query chunk rematerialised (jax.checkpoint): the backward
+                     recomputes a chunk's scores instead of storing every chunk's (P2's would take 137 GB)
+  tokamax_mosaic     tokamax.dot_product_attention(implementation="mosaic"), tokamax's Mosaic GPU (Hopper) kernel
+                     and its Mosaic GPU VJP, padded [B, L_max, H, D] with key_value_seq_lengths (the padding
+                     queries' rows get a zero cotangent, so they reach no gradient); only where the tokamax
+                     package is installed (an error row says so otherwise); GPU only
+jax_pallas_mgpu sits them out (jax 0.11.2's attention_mgpu backward refuses causal attention), and so do
+cudnn/packed and naive_triton (no backward here).
 """
 
 from __future__ import annotations
@@ -48,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.impls import Impl, Options, Prepared, identity, mla_cu_query_lens
+from benchmarks.impls import Impl, Options, Prepared, identity, mla_cu_query_lens, with_grads
 from benchmarks.workloads import FEATURE_KWARGS, Batch, HostBatch, Spec
 
 SCORE_BUDGET_BYTES = 4 * 2**30  # jnp baseline: f32 score block per query chunk
@@ -62,34 +78,52 @@ def _pad_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _padded_rows(host: HostBatch) -> tuple[np.ndarray, int]:
-    """Packed row of (request b, local i) for the padded [B, L_max] layout (padding points at row 0)."""
-    L = int(host.q_lens.max())
-    i = np.arange(L)[None, :]
-    rows = host.cu_query_lens[:-1, None] + i
-    return np.where(i < host.q_lens[:, None], rows, 0).astype(np.int32), L
+class _Padded:
+    """The padded ``[B, L_max, ...]`` layout of a packed prefill batch, for anchors without varlen: request ``b``'s
+    rows at ``[b, :q_lens[b]]``."""
+
+    def __init__(self, host: HostBatch):
+        self.length = int(host.q_lens.max())  # L_max
+        i = np.arange(self.length)[None, :]
+        valid = i < host.q_lens[:, None]  # bool[B, L_max]
+        rows = np.where(valid, host.cu_query_lens[:-1, None] + i, 0).astype(np.int32)  # padding points at row 0
+        self.rows, self.valid = jnp.asarray(rows), jnp.asarray(valid)
+        self.b_idx, self.i_idx = np.nonzero(valid)  # row-major = packed order
+
+    def pad(self, x):
+        """``[T, ...]`` -> ``[B, L_max, ...]``, the padding holding row 0 (masked by the sequence lengths)."""
+        return x[self.rows]
+
+    def pad_zeros(self, x):
+        """``[T, H, D]`` -> ``[B, L_max, H, D]``, zeros in the padding (a cotangent: padding rows reach nothing)."""
+        return jnp.where(self.valid[..., None, None], x[self.rows], jnp.zeros((), x.dtype))
+
+    def pack(self, y):
+        """``[B, L_max, ...]`` -> packed ``[T, ...]``."""
+        return y[self.b_idx, self.i_idx]
+
+    def pack_all(self, ys):
+        return tuple(self.pack(y) for y in ys)
 
 
 # ----------------------------------------------------------------------------------------------------- cuDNN
 def _prepare_cudnn(batches: list[Batch], options: Options) -> Prepared:
     host = batches[0].host
-    rows, L = _padded_rows(host)
+    layout = _Padded(host)
     lens = jnp.asarray(host.q_lens, jnp.int32)
-    rows_j = jnp.asarray(rows)
 
     @jax.jit
     def fn(q, k, v, q_lens):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=q_lens,
                                             key_value_seq_lengths=q_lens, implementation="cudnn")
 
-    args = [(b.arrays["q"][rows_j], b.arrays["k"][rows_j], b.arrays["v"][rows_j], lens) for b in batches]
-    valid = (np.arange(L)[None, :] < host.q_lens[:, None])
-    b_idx, i_idx = np.nonzero(valid)  # row-major = packed order
+    args = [(layout.pad(b.arrays["q"]), layout.pad(b.arrays["k"]), layout.pad(b.arrays["v"]), lens) for b in batches]
+    return Prepared(fn, args, layout.pack, note=f"padded to [{host.num_seqs}, {layout.length}]")
 
-    def canonical(out):  # [B, L, Hq, D] -> packed [T, Hq, D]
-        return out[b_idx, i_idx]
 
-    return Prepared(fn, args, canonical, note=f"padded to [{host.num_seqs}, {L}]")
+def _prepare_cudnn_bwd(batches: list[Batch], options: Options) -> Prepared:
+    layout = _Padded(batches[0].host)
+    return with_grads(_prepare_cudnn(batches, options), batches, cotangent=layout.pad_zeros, grads=layout.pack_all)
 
 
 def _prepare_cudnn_packed(batches: list[Batch], options: Options) -> Prepared:
@@ -132,6 +166,10 @@ def _prepare_cudnn_paged(batches: list[Batch], options: Options) -> Prepared:
 
 
 # ---------------------------------------------------------------------------------------------- JAX Pallas
+# mha's backward tiles: the 64 × 64 tokamax's Triton VJP picks by default (mha's BlockSizes.get_default() has 32)
+MHA_BACKWARD_BLOCK = 64
+
+
 def _prepare_jax_mha(batches: list[Batch], options: Options) -> Prepared:
     from jax.experimental.pallas.ops.gpu import attention as jax_attention
     host, spec = batches[0].host, batches[0].spec
@@ -144,7 +182,9 @@ def _prepare_jax_mha(batches: list[Batch], options: Options) -> Prepared:
         seg = np.repeat(np.arange(host.num_seqs), host.q_lens)
         seg = np.concatenate([seg, np.full(T_pad - T, host.num_seqs)]).astype(np.int32)
         segments = jnp.asarray(seg[None])
-    blocks = jax_attention.BlockSizes(block_q=block, block_k=block)
+    backward = spec.kind == "prefill-bwd"
+    blocks = jax_attention.BlockSizes(block_q=block, block_k=block, **(_mha_backward_blocks(T_pad) if backward
+                                                                         else {}))
 
     @jax.jit
     def fn(q, k, v, segment_ids):
@@ -158,7 +198,26 @@ def _prepare_jax_mha(batches: list[Batch], options: Options) -> Prepared:
     args = [(prep(b.arrays["q"], False), prep(b.arrays["k"], True), prep(b.arrays["v"], True), segments)
             for b in batches]
     note = f"K/V heads repeated x{group}" + (", packed with segment_ids" if segments is not None else "")
-    return Prepared(fn, args, lambda out: out[0, :T], note=note)
+    forward = Prepared(fn, args, lambda out: out[0, :T], note=note)
+    if not backward:
+        return forward
+
+    def grads(g):  # [1, T_pad, Hq, D] each; dK and dV of the repeated heads, summed over each group
+        dq, dk, dv = (x[0, :T] for x in g)
+        return dq, *(x.reshape(T, spec.num_kv_heads, group, spec.head_dim).sum(axis=2) for x in (dk, dv))
+
+    forward.note += f"; backward blocks {blocks.block_q_dkv}, dK/dV summed over the group outside the timing"
+    return with_grads(forward, batches, cotangent=lambda d: prep(d, False), grads=grads)
+
+
+def _mha_backward_blocks(length: int) -> dict:
+    """mha's backward tiles for a packed row of ``length`` (a multiple of its forward block): one size for its
+    dK/dV and dQ loops (its fused backward wants as many query tiles as key tiles), the largest of 64, 32, 16
+    dividing ``length``."""
+    size = next((b for b in (MHA_BACKWARD_BLOCK, 32, 16) if length % b == 0), None)
+    if size is None:
+        raise NotImplementedError(f"jax_pallas_mha's backward needs a length divisible by 16, got {length}")
+    return dict(block_q_dkv=size, block_kv_dkv=size, block_q_dq=size, block_kv_dq=size)
 
 
 # what attention_mgpu's own benchmark settles on at D=128 (its first try, block_kv 256, overflows smem)
@@ -335,11 +394,14 @@ def _dense(q, k, v, visible, scale, *, offset=None, softcap=0.0, alibi_slopes=No
 
 def _jnp_groups(host: HostBatch) -> list[np.ndarray]:
     """Requests batched together in the jnp baseline: equal q_len (and, for prefill, equal length)."""
-    key = host.seq_lens if host.spec.kind == "prefill" else host.q_lens
+    key = host.q_lens if host.paged else host.seq_lens
     return [np.flatnonzero(key == v) for v in np.unique(key)]
 
 
-def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
+def _prepare_jnp(batches: list[Batch], options: Options, remat: bool = False) -> Prepared:
+    """The floor; ``remat``: for a training step, each query chunk under ``jax.checkpoint`` (the backward recomputes
+    its scores instead of keeping every chunk's), and a padding row that sees no key attends to every key (its
+    output is dropped either way; a softmax over nothing would put 0 · NaN into the gradients)."""
     host, spec = batches[0].host, batches[0].spec
     if spec.kind == "sparse":
         return _prepare_jnp_sparse(batches, options)
@@ -402,9 +464,12 @@ def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
             visible = (offset <= 0) & (key_pos < seq[:, None, None])
             if left >= 0:
                 visible &= offset >= -left
+            if remat:
+                visible |= ~visible.any(axis=-1, keepdims=True)
             return _dense(qc, k, v, visible, scale, offset=offset, softcap=softcap, **feats)
 
-        out = jax.lax.map(one_chunk, (q_idx, q_pos))  # [num_chunks, n, chunk, Hq, D]
+        body = jax.checkpoint(one_chunk) if remat else one_chunk
+        out = jax.lax.map(body, (q_idx, q_pos))  # [num_chunks, n, chunk, Hq, D]
         return out, q_idx
 
     @jax.jit
@@ -425,8 +490,13 @@ def _prepare_jnp(batches: list[Batch], options: Options) -> Prepared:
         return (a["q"], k_src, v_src, feats, *group_args)
 
     note = (f"{len(plans)} dense groups" + (", the window's pages only" if host.paged and left >= 0 else "")
-            + (", latent rows gathered once (values: their first kv_lora_rank dims)" if latent else ""))
+            + (", latent rows gathered once (values: their first kv_lora_rank dims)" if latent else "")
+            + (", query chunks rematerialised" if remat else ""))
     return Prepared(fn, [args_for(b) for b in batches], identity, note=note)
+
+
+def _prepare_jnp_bwd(batches: list[Batch], options: Options) -> Prepared:
+    return with_grads(_prepare_jnp(batches, options, remat=True), batches)
 
 
 def _prepare_jnp_sparse(batches: list[Batch], options: Options) -> Prepared:
@@ -447,6 +517,30 @@ def _prepare_jnp_sparse(batches: list[Batch], options: Options) -> Prepared:
     args = [(b.arrays["q"], b.arrays["kv_cache"], b.arrays["block_tables"], b.arrays["topk_indices"], token_req)
             for b in batches]
     return Prepared(fn, args, identity, note="gather + dense")
+
+
+# ---------------------------------------------------------------------------------------------- tokamax
+def _prepare_tokamax_bwd(batches: list[Batch], options: Options) -> Prepared:
+    try:
+        import tokamax
+    except ImportError as e:
+        raise NotImplementedError("tokamax_mosaic needs the tokamax package (pip install tokamax)") from e
+    if options.interpret:
+        raise NotImplementedError("tokamax_mosaic is a Mosaic GPU (Hopper) kernel: GPU only, no interpret mode")
+    host = batches[0].host
+    layout = _Padded(host)
+    lens = jnp.asarray(host.q_lens, jnp.int32)
+
+    # Key lengths only: the padding queries' rows (finite, over their request's keys) get a zero cotangent, so they
+    # reach no gradient, and the mask stays the kernel's causal + key-length form (no dense mask array).
+    @jax.jit
+    def fn(q, k, v, kv_lens):
+        return tokamax.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=kv_lens,
+                                             implementation="mosaic")
+
+    args = [(layout.pad(b.arrays["q"]), layout.pad(b.arrays["k"]), layout.pad(b.arrays["v"]), lens) for b in batches]
+    forward = Prepared(fn, args, layout.pack, note=f"padded to [{host.num_seqs}, {layout.length}], key lengths")
+    return with_grads(forward, batches, cotangent=layout.pad_zeros, grads=layout.pack_all)
 
 
 # ---------------------------------------------------------------------------------------------- dense MLA
@@ -500,6 +594,11 @@ def _ids(*ids):
     return lambda s: s.id in ids
 
 
+def _forward_or_step(forward, step):
+    """One anchor on the prefill workloads and their training steps: ``step`` for a ``prefill-bwd`` workload."""
+    return lambda batches, options: (step if batches[0].spec.kind == "prefill-bwd" else forward)(batches, options)
+
+
 def _standard_mla(spec: Spec) -> bool:
     return spec.kind == "mla" and not spec.family
 
@@ -510,14 +609,15 @@ def _jnp_features(spec: Spec) -> frozenset[str]:
 
 
 ANCHORS: list[Impl] = [
-    Impl("cudnn", _ids("P1", "P2"), _prepare_cudnn),
+    Impl("cudnn", _ids("P1", "P2", "P1-bwd", "P2-bwd"), _forward_or_step(_prepare_cudnn, _prepare_cudnn_bwd)),
     Impl("cudnn/packed", _ids("P1"), _prepare_cudnn_packed),
     Impl("cudnn/paged", _ids("D1", "D2"), _prepare_cudnn_paged),
-    Impl("jax_pallas_mha", _ids("P1", "P2"), _prepare_jax_mha),
+    Impl("jax_pallas_mha", _ids("P1", "P2", "P1-bwd", "P2-bwd"), _prepare_jax_mha),
     Impl("jax_pallas_mgpu", _ids("P1", "P2"), _prepare_jax_mgpu),
+    Impl("tokamax_mosaic", _ids("P1-bwd", "P2-bwd"), _prepare_tokamax_bwd),
     Impl("jax_pallas_decode", _ids("D1", "D2"), _prepare_jax_decode),
     Impl("jax_pallas_paged", _ids("D1", "D2", "V1"), _prepare_jax_paged),
-    Impl("jnp", lambda s: not s.family, _prepare_jnp, features=_jnp_features),
+    Impl("jnp", lambda s: not s.family, _forward_or_step(_prepare_jnp, _prepare_jnp_bwd), features=_jnp_features),
     Impl("sparse_mla_attention/all", _standard_mla, _prepare_sparse_all),
     Impl("paged_attention/latent", _standard_mla, _prepare_paged_latent, limits=_latent_head_dim_limit),
     Impl("naive_triton", _ids("P1", "P2"), _lazy_naive_triton),

@@ -5,17 +5,24 @@ OUTSIDE the timing (layout changes, sub-batch slicing, padding for an anchor's c
 :class:`Prepared`: one jitted function, one argument tuple per input set (the harness rotates between them), and a
 ``canonical`` function that maps the function's output to the workload's canonical layout for the correctness
 check (prefill / ragged: packed ``[num_tokens, Hq, D]``; decode: ``[num_seqs, Hq, D]``; sparse and mla:
-``[num_tokens, H, kv_lora_rank]``). The anchors live in :mod:`benchmarks.anchors`.
+``[num_tokens, H, kv_lora_rank]``; a training step, ``prefill-bwd``: the packed gradients ``(dq [T, Hq, D],
+dk [T, Hkv, D], dv [T, Hkv, D])``). The anchors live in :mod:`benchmarks.anchors`.
+
+A training step is any implementation's forward wrapped by :func:`with_grads`: the timed function returns the
+output and, through ``jax.vjp``, the gradients for q, k and v under the workload's cotangent ``d_out``
+(:func:`forward_and_grads`), so ours and every anchor run the same definition.
 
 Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
   pallas_attn            the kernel for the workload's kind (varlen / paged decode / ragged paged / sparse MLA /
-                         dense MLA)
+                         dense MLA; a training step: varlen forward + its custom_vjp backward)
   pallas_attn/no_split   paged decode with ``num_splits=1`` (no split-KV), for the long-context and sweep cases
   pallas_attn/paged      a decode workload run through the ragged ``paged_attention`` (q_len = 1 each)
   pallas_attn/parts      a mixed ragged batch run as separate calls, one per request group (decodes through
                          ``paged_decode_attention``, the others through ``paged_attention``)
-  pallas_attn/mosaic     varlen prefill with ``backend="mosaic"`` (the Hopper kernel; GPU only)
-  pallas_attn/triton     varlen prefill / sparse MLA with ``backend="triton"`` (the default picks per GPU and shape)
+  pallas_attn/mosaic     varlen prefill with ``backend="mosaic"`` (the Hopper kernel; GPU only); in a training step
+                         the forward's backend (the backward is Triton's either way)
+  pallas_attn/triton     varlen prefill / training step / sparse MLA with ``backend="triton"`` (the default picks
+                         per GPU and shape)
   pallas_attn/<NAME>     a ``--variant NAME:key=value,...`` of the command line (:mod:`benchmarks.variants`)
 """
 
@@ -30,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.workloads import FEATURE_KWARGS, FP8_KWARGS, Batch, Draw, Spec
+from benchmarks.workloads import FEATURE_KWARGS, FP8_KWARGS, PACKED_KINDS, Batch, Draw, Spec
 
 OURS = "pallas_attn"
 
@@ -52,8 +59,9 @@ class Options:
 class Prepared:
     fn: Callable  # jitted: fn(*args) -> output pytree
     args: list[tuple]  # one argument tuple per input set
-    canonical: Callable[[Any], jax.Array]  # output -> canonical layout (for the correctness check only)
+    canonical: Callable[[Any], Any]  # output -> canonical layout (for the correctness check only)
     note: str = ""  # shown in the JSON row (e.g. the split count or padding an anchor needed)
+    check_args: tuple | None = None  # what the correctness check calls fn with; None: args[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +132,39 @@ def _interpret_kw(options: Options) -> dict:
     return {"interpret": options.interpret}
 
 
+# ------------------------------------------------------------------------------------------- training step
+def forward_and_grads(attend: Callable, q, k, v, d_out):
+    """One training step of an attention call: ``attend(q, k, v)`` and its gradients for q, k and v under the
+    cotangent ``d_out`` (``jax.vjp``'s pullback): the forward and the backward that ``jax.grad`` of a loss through
+    the call runs, without the loss. Returns ``(out, (dq, dk, dv))`` in ``attend``'s layouts."""
+    out, pullback = jax.vjp(attend, q, k, v)
+    return out, pullback(d_out)
+
+
+def with_grads(forward: Prepared, batches: list[Batch], *, cotangent: Callable = identity,
+               grads: Callable = identity) -> Prepared:
+    """The training step of a forward :class:`Prepared` whose ``fn(q, k, v, *rest)`` takes q, k and v first.
+
+    The timed function is :func:`forward_and_grads` of ``forward.fn`` on the workload's ``d_out [T, Hq, D]``, which
+    ``cotangent`` maps to ``forward.fn``'s output layout (outside the timing, like the forward's own layout work);
+    ``grads`` maps the gradients from ``forward.fn``'s input layouts to the packed ``(dq [T, Hq, D], dk [T, Hkv, D],
+    dv [T, Hkv, D])`` (the check only). The check runs the same function on :func:`benchmarks.checks.
+    check_cotangent`: ``d_out`` on the rows whose gradients the reference computes, zero elsewhere."""
+    from benchmarks import checks
+    attend = forward.fn
+
+    @jax.jit
+    def fn(q, k, v, d_out, *rest):
+        return forward_and_grads(lambda q, k, v: attend(q, k, v, *rest), q, k, v, d_out)
+
+    def step_args(args: tuple, d_out) -> tuple:
+        return (*args[:3], cotangent(d_out), *args[3:])
+
+    args = [step_args(a, b.arrays["d_out"]) for a, b in zip(forward.args, batches)]
+    return Prepared(fn, args, lambda res: grads(res[1]), note=forward.note,
+                    check_args=step_args(forward.args[0], checks.check_cotangent(batches[0])))
+
+
 # --------------------------------------------------------------------------------------------------- ours
 def _prepare_prefill(batches: list[Batch], options: Options, **extra) -> Prepared:
     import pallas_attn
@@ -133,6 +174,12 @@ def _prepare_prefill(batches: list[Batch], options: Options, **extra) -> Prepare
     fn = jax.jit(lambda q, k, v, cu, feats: pallas_attn.varlen_attention(q, k, v, cu, **kw, **feats))
     args = [(b.arrays["q"], b.arrays["k"], b.arrays["v"], b.arrays["cu_seqlens"], _features(b)) for b in batches]
     return Prepared(fn, args, identity, note=_config_note(options))
+
+
+def _prepare_prefill_bwd(batches: list[Batch], options: Options, **extra) -> Prepared:
+    """``varlen_attention``'s training step: its forward (the backend the call picks) and its custom_vjp backward
+    (Triton); ``backward_config`` comes with ``extra`` or the sweep's overrides."""
+    return with_grads(_prepare_prefill(batches, options, **extra), batches)
 
 
 def _decode_args(b: Batch):
@@ -157,8 +204,8 @@ def _split_note(batch: Batch, options: Options, kwargs: dict) -> str:
 
 
 def _config_note(options: Options) -> str:
-    cfg = options.overrides.get("config")
-    return "" if cfg is None else repr(cfg)
+    return " ".join(repr(options.overrides[k]) for k in ("config", "backward_config")
+                    if options.overrides.get(k) is not None)
 
 
 def _prepare_decode(batches: list[Batch], options: Options, **extra) -> Prepared:
@@ -266,10 +313,11 @@ def _prepare_mla(batches: list[Batch], options: Options, **extra) -> Prepared:
     return Prepared(fn, args, identity, note=_config_note(options))
 
 
-PREPARE_BY_KIND = {"prefill": _prepare_prefill, "decode": _prepare_decode, "ragged": _prepare_ragged,
-                   "sparse": _prepare_sparse, "mla": _prepare_mla}
-FUNCTION_BY_KIND = {"prefill": "varlen_attention", "decode": "paged_decode_attention", "ragged": "paged_attention",
-                    "sparse": "sparse_mla_attention", "mla": "mla_attention"}  # the public function each kind calls
+PREPARE_BY_KIND = {"prefill": _prepare_prefill, "prefill-bwd": _prepare_prefill_bwd, "decode": _prepare_decode,
+                   "ragged": _prepare_ragged, "sparse": _prepare_sparse, "mla": _prepare_mla}
+FUNCTION_BY_KIND = {"prefill": "varlen_attention", "prefill-bwd": "varlen_attention",
+                    "decode": "paged_decode_attention", "ragged": "paged_attention", "sparse": "sparse_mla_attention",
+                    "mla": "mla_attention"}  # the public function each kind calls
 
 
 def _prepare_ours(batches: list[Batch], options: Options, **extra) -> Prepared:
@@ -279,7 +327,7 @@ def _prepare_ours(batches: list[Batch], options: Options, **extra) -> Prepared:
 def _on_gpu_prefill(spec: Spec) -> bool:
     """The Mosaic GPU prefill: compiled on a GPU only (its interpreter takes seconds for a few dozen tokens)."""
     from pallas_attn.core import backend
-    return spec.kind == "prefill" and backend.on_gpu()
+    return spec.kind in PACKED_KINDS and backend.on_gpu()
 
 
 def _is_mixed(spec: Spec) -> bool:
@@ -302,11 +350,10 @@ OUR_IMPLS: list[Impl] = [
     Impl(f"{OURS}/paged", lambda s: s.kind == "decode" and not s.family, _prepare_decode_as_ragged, anchor=False,
          features=takes("paged_attention")),
     Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False, features=_parts_features),
-    Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_prefill(b, o, backend="mosaic"), anchor=False,
+    Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_ours(b, o, backend="mosaic"), anchor=False,
          features=takes_for_kind),
-    Impl(f"{OURS}/triton", lambda s: s.kind in ("prefill", "sparse"),
-         lambda b, o: (_prepare_sparse if b[0].spec.kind == "sparse" else _prepare_prefill)(b, o, backend="triton"),
-         anchor=False, features=takes_for_kind),
+    Impl(f"{OURS}/triton", lambda s: s.kind in (*PACKED_KINDS, "sparse"),
+         lambda b, o: _prepare_ours(b, o, backend="triton"), anchor=False, features=takes_for_kind),
 ]
 
 

@@ -3,6 +3,8 @@
     python -m benchmarks.plots benchmarks/results/2026-11-30-nvidia-h200.json [--out DIR]
 
 * ``<stem>-prefill.png``: TFLOP/s by implementation for the prefill workloads (P1, P2), matmul ceiling dashed;
+* ``<stem>-training.png``: the same for their training steps (P1-bwd, P2-bwd: forward + backward, 3.5 × the
+  forward's useful FLOPs);
 * ``<stem>-decode.png``: GB/s by implementation and workload (D1, D2, V1, M1; context range in the label), copy
   ceiling dashed;
 * ``<stem>-sparse.png``: S1 TFLOP/s and GB/s by implementation;
@@ -22,6 +24,7 @@ import sys
 DECODE_LABELS = {"D1": "D1 (64 req, ctx 1k-8k)", "D2": "D2 (4 req, ctx 20k-128k)", "V1": "V1 (32 req, 4k-16k, q=6)",
                  "M1": "M1 (mixed)"}
 PREFILL_LABELS = {"P1": "P1 (varlen, 29k tokens)", "P2": "P2 (one 32k request)"}
+TRAINING_LABELS = {"P1-bwd": "P1-bwd (P1, forward + backward)", "P2-bwd": "P2-bwd (P2, forward + backward)"}
 SPARSE_LABELS = {"S1": "S1 sparse MLA"}
 MLA_LABELS = {"L1": "L1 (decode, 16 heads)", "L2": "L2 (q_len 2, 128 heads)"}
 
@@ -120,6 +123,13 @@ def make_plots(rows: list[dict], out_dir, stem: str) -> list[pathlib.Path]:
         fig, ax = plt.subplots(figsize=(10, 4.5))
         _grouped_bars(ax, pre, list(PREFILL_LABELS), PREFILL_LABELS, "useful causal TFLOP/s")
         written.append(_finish(fig, ax, rows, "TFLOP/s", "Prefill", out_dir / f"{stem}-prefill.png"))
+
+    train = _ok(rows, TRAINING_LABELS, "TFLOP/s")
+    if train:
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        _grouped_bars(ax, train, list(TRAINING_LABELS), TRAINING_LABELS, "TFLOP/s (3.5 × forward useful FLOPs)")
+        written.append(_finish(fig, ax, rows, "TFLOP/s", "Prefill training step: forward + backward",
+                               out_dir / f"{stem}-training.png"))
 
     dec = _ok(rows, DECODE_LABELS, "GB/s")
     if dec:

@@ -1,8 +1,9 @@
 """The benchmark harness: every standard workload × every implementation available, ceilings in the same run.
 
-    python -m benchmarks.run                       # all workloads, all implementations (GPU; about 5 minutes)
+    python -m benchmarks.run                       # all workloads, all implementations (GPU; 5 to 10 minutes)
     python -m benchmarks.run --budget 540          # skip what would not finish within 540 s
     python -m benchmarks.run --only P1,D1 --impl pallas_attn,cudnn
+    python -m benchmarks.run --only P1-bwd,P2-bwd  # training steps: forward + backward, ours and the anchors
     python -m benchmarks.run --only P1 --variant bn64:backend=triton,config.block_n=64
     python -m benchmarks.run --only P1,P2 --impl pallas_attn --baseline HEAD~1
     python -m benchmarks.run --family split        # decode batch × context, split-KV on / off
@@ -49,10 +50,12 @@ from benchmarks import ceilings as ceilings_lib, checks, impls as impls_lib, var
 from benchmarks.timing import time_fn
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
-STANDARD_IDS = ["P1", "P2", "D1", "D2", "V1", "M1", "S1", "L1", "L2"]
+STANDARD_IDS = ["P1", "P2", "D1", "D2", "V1", "M1", "S1", "L1", "L2", "P1-bwd", "P2-bwd"]
 FEATURE_IDS = ["W1", "W2"]  # model-family workloads, run with --only (each brings its twin: W1-short, P2)
 FORMULAS = [
     "TFLOP/s (prefill-like) = 4 · visible (q,k) pairs · head_dim · num_q_heads / t  (a window hides pairs)",
+    "P1-bwd/P2-bwd TFLOP/s  = 3.5 · 4 · visible (q,k) pairs · head_dim · num_q_heads / t, t = forward + backward "
+    "(jax.vjp, fixed cotangent): forward 1 + backward 2.5 (FlashAttention's five matmuls); not a backward-only figure",
     "GB/s (decode-like)     = (Σ keys read · num_kv_heads · head_dim · 2 (K,V) · 2 B + q bytes + out bytes) / t;"
     "  keys read = seq_len, or min(seq_len, q_len + left) with a left window",
     "S1 TFLOP/s             = Σ tokens · topk · (2·H·576 + 2·H·512) / t;  S1 GB/s = Σ tokens · topk · 576 · 2 B / t",
@@ -67,10 +70,13 @@ FORMULAS = [
 
 # --budget's estimates where no earlier results file of the device holds measured ``setup_s`` / ``wall_s``: seconds
 # on an H200 at --target-s 0.5 for a workload's setup (inputs, reference subset) and for one case (prepare, compile,
-# check, time). P1..S1's add up to the measured 308 s of a full run without L1 and L2 (ceilings about 8 s).
+# check, time). P1..S1's add up to the measured 308 s of a full run without L1 and L2 (ceilings about 8 s). The
+# training steps' are estimates (a backward compiles two more kernels; the jnp floor's P2 step costs about five of its
+# 0.19 s forwards) until a results file of the device holds their measured figures.
 SETUP_S = {"P1": 12.0, "P2": 15.0, "D1": 10.0, "D2": 12.0, "V1": 10.0, "M1": 10.0, "S1": 12.0,
-           "L1": 10.0, "L2": 10.0}
-CASE_S = {"P1": 5.0, "P2": 7.0, "D1": 5.0, "D2": 5.0, "V1": 5.0, "M1": 5.0, "S1": 6.0, "L1": 6.0, "L2": 6.0}
+           "L1": 10.0, "L2": 10.0, "P1-bwd": 15.0, "P2-bwd": 18.0}
+CASE_S = {"P1": 5.0, "P2": 7.0, "D1": 5.0, "D2": 5.0, "V1": 5.0, "M1": 5.0, "S1": 6.0, "L1": 6.0, "L2": 6.0,
+          "P1-bwd": 10.0, "P2-bwd": 14.0}
 FAMILY_SETUP_S, FAMILY_CASE_S = 5.0, 3.0  # --family grids: small inputs, reference on a few rows
 CEILINGS_S = 8.0
 BASELINE_START_S = 15.0  # a --baseline subprocess: git worktree, JAX start-up
@@ -160,6 +166,9 @@ def measure_case(impl, batches, options, subset, target_s: float, verbose: bool 
         res.note = prepared.note
         out = jax.block_until_ready(prepared.fn(*prepared.args[0]))  # compile + first run
         if subset is not None:
+            if prepared.check_args is not None:  # a training step: checked on a cotangent of its own (checks.py)
+                del out
+                out = prepared.fn(*prepared.check_args)
             res.rel_err = checks.rel_err(prepared.canonical(out), subset)
         del out
         t = time_fn(prepared.fn, prepared.args, target_s=target_s)
@@ -465,7 +474,8 @@ def _selected_specs(args) -> list[wl.Spec]:
         ids = _ids(args.only)
     specs = []
     for i in ids:
-        spec = wl.find_spec(i, args.tiny) or wl.find_spec(i.upper(), args.tiny)
+        spec = (wl.find_spec(i, args.tiny) or wl.find_spec(i.upper(), args.tiny)
+                or wl.find_spec(i.upper().replace("-BWD", "-bwd"), args.tiny))  # p1-bwd
         if spec is None:
             raise ValueError(f"unknown workload id {i!r}; standard: {', '.join(STANDARD_IDS)}; "
                              f"families (--family): {', '.join(wl.FAMILIES)}")

@@ -10,7 +10,8 @@ compile (shared memory, register limits) or is wrong is recorded with its error 
 Table entries: for each kernel family the config with the best geometric-mean speed-up over the family's
 workloads (among configs measured on all of them) is proposed, keyed the way ``pallas_attn/core/config.py`` looks it
 up: prefill and decode by ``(device kind, next_pow2(head_dim))``, sparse by ``(device kind, num_q_heads)``. Dense MLA
-has no table yet: its winners are printed and kept in the sweep file only.
+and the training steps (P1-bwd, P2-bwd: the grid sets ``backward_config``, the backward's tiles, the forward keeping
+its default) have no table yet: their winners are printed and kept in the sweep file only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pallas_attn.core.config import DecodeConfig, MLAConfig, PrefillConfig, Spar
 FAMILY_TABLE = {"prefill": "PREFILL_TABLE", "decode": "DECODE_TABLE", "ragged": "DECODE_TABLE",
                 "sparse": "SPARSE_TABLE"}
 TUNED_NAMES = {"PREFILL_TABLE": "PREFILL", "DECODE_TABLE": "DECODE", "CHUNK_TABLE": "CHUNK", "SPARSE_TABLE": "SPARSE"}
+CONFIG_KEYS = ("config", "backward_config")  # the config arguments a grid entry may set
 
 
 # --------------------------------------------------------------------------------------------------- grids
@@ -35,6 +37,12 @@ def stage1(spec, tiny: bool) -> list[dict]:
             return [{"config": PrefillConfig(16, 16, None, 4, 2)}, {"config": PrefillConfig(32, 16, None, 4, 1)}]
         return [{"config": PrefillConfig(bm, bn, None, w, s)}
                 for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+    if kind == "prefill-bwd":  # the backward's tiles; its dK/dV program holds two [block_n, D] f32 accumulators
+        if tiny:
+            return [{"backward_config": PrefillConfig(16, 16, None, 4, 2)},
+                    {"backward_config": PrefillConfig(32, 16, None, 4, 1)}]
+        return [{"backward_config": PrefillConfig(bm, bn, None, w, s)}
+                for bm, bn, w, s in itertools.product((32, 64, 128), (32, 64), (4, 8), (1, 2, 3))]
     if kind == "decode":
         if tiny:
             return [{"config": DecodeConfig(16, None, 4, 2)}, {"config": DecodeConfig(32, None, 4, 1)}]
@@ -64,7 +72,7 @@ def stage1(spec, tiny: bool) -> list[dict]:
 
 
 def stage2(spec, winner: dict, tiny: bool) -> list[dict]:
-    cfg = winner["config"]
+    cfg = winner.get("config")
     if spec.kind == "prefill":
         group = spec.num_q_heads // spec.num_kv_heads
         return [{"config": dataclasses.replace(cfg, heads_per_program=h)}
@@ -77,9 +85,11 @@ def stage2(spec, winner: dict, tiny: bool) -> list[dict]:
 
 def label(overrides: dict) -> str:
     parts = []
-    cfg = overrides.get("config")
-    if cfg is not None:
-        parts.append(", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)))
+    for key in CONFIG_KEYS:
+        cfg = overrides.get(key)
+        if cfg is not None:
+            fields = ", ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg))
+            parts.append(fields if key == "config" else f"{key}: {fields}")
     if "num_splits" in overrides:
         parts.append(f"num_splits={overrides['num_splits']}")
     return "; ".join(parts) or "default"
@@ -87,10 +97,11 @@ def label(overrides: dict) -> str:
 
 def to_json(overrides: dict) -> dict:
     out = {}
-    cfg = overrides.get("config")
-    if cfg is not None:
-        out["config_class"] = type(cfg).__name__
-        out["config"] = dataclasses.asdict(cfg)
+    for key in CONFIG_KEYS:
+        cfg = overrides.get(key)
+        if cfg is not None:
+            out[f"{key}_class"] = type(cfg).__name__
+            out[key] = dataclasses.asdict(cfg)
     if "num_splits" in overrides:
         out["num_splits"] = overrides["num_splits"]
     return out

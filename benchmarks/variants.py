@@ -6,13 +6,16 @@ extra arguments.
     --variant mosaic-pc4:backend=mosaic,config.p_chunks=4
     --variant softcap:softcap=50                        # a model-family feature turned on
     --variant sinks:sinks=1                             # f32[num_q_heads] sinks (ALiBi slopes: alibi=1)
+    --variant bwd64:backward_config.block_n=64          # the backward's tiles (training steps only)
 
 A ``key`` is a keyword argument of the workload's public function (``varlen_attention``, ``paged_decode_attention``,
 ``paged_attention``, ``sparse_mla_attention``, ``mla_attention``); ``ARG.FIELD`` sets a field of the config argument
-``ARG`` (``config``, or ``chunk_config`` of ``paged_attention``): ``dataclasses.replace(<the op's default config>,
-FIELD=value)``, the default being the one the op itself would use for the workload's shapes and backend. Values
-parse as int, float, ``true``/``false``/``none``, ``a/b`` (a tuple of ints), else a string. A variant runs on the
-workloads whose function takes all its keyword arguments; ``config.`` fields the config lacks give an error row.
+``ARG`` (``config``, ``chunk_config`` of ``paged_attention``, or ``backward_config`` of ``varlen_attention``'s
+gradient): ``dataclasses.replace(<the op's default config>, FIELD=value)``, the default being the one the op itself
+would use for the workload's shapes and backend. Values parse as int, float, ``true``/``false``/``none``, ``a/b`` (a
+tuple of ints), else a string. A variant runs on the workloads whose function takes all its keyword arguments (one
+with ``backward_config`` on the training steps only: a forward never reads it); ``config.`` fields the config lacks
+give an error row.
 
 A model-family key (``window_size=127/0``, ``softcap=50``, ``sinks=1``, ``alibi=1``) changes the workload the row
 runs (:class:`benchmarks.workloads.Spec`'s fields of the same names): the sinks and slopes are those
@@ -29,9 +32,9 @@ import inspect
 from typing import Any
 
 from benchmarks.impls import FUNCTION_BY_KIND, OURS, Impl, Options, Prepared, _prepare_ours, takes_for_kind
-from benchmarks.workloads import FEATURE_KWARGS, Batch, Spec, with_spec
+from benchmarks.workloads import FEATURE_KWARGS, PACKED_KINDS, Batch, Spec, with_spec
 
-CONFIG_ARGS = ("config", "chunk_config")
+CONFIG_ARGS = ("config", "chunk_config", "backward_config")
 FEATURE_FIELDS = {field: kwarg for kwarg, field in FEATURE_KWARGS.items()}  # --variant key -> keyword argument
 
 
@@ -124,8 +127,11 @@ def _public_function(kind: str):
 
 
 def accepts(spec: Spec, variant: Variant) -> bool:
-    """The workload's public function takes every keyword argument the variant sets."""
+    """The workload's public function takes every keyword argument the variant sets (``backward_config``: a
+    training step's only)."""
     params = inspect.signature(_public_function(spec.kind)).parameters
+    if "backward_config" in variant.arg_names() and spec.kind != "prefill-bwd":
+        return False
     return variant.arg_names() <= set(params)
 
 
@@ -137,7 +143,9 @@ def default_config(spec: Spec, arg: str, backend: str | None):
     d, item = spec.head_dim, spec.jnp_dtype.itemsize
     if arg == "chunk_config":
         return config_lib.default_chunk_config(d, spec.block_size, item)
-    if spec.kind == "prefill":
+    if arg == "backward_config":
+        return config_lib.default_backward_config(d)
+    if spec.kind in PACKED_KINDS:
         if backend == "mosaic":
             cls = getattr(pallas_attn, "MosaicPrefillConfig", None)
             if cls is None:

@@ -13,6 +13,12 @@ Metric formulas (all counted from the host metadata, never from the kernel):
   (request b with ``q_len`` new tokens after ``ctx = seq_len - q_len`` cached ones sees
   ``q_len·ctx + q_len·(q_len+1)/2`` pairs; prefill is ``ctx = 0``, decode ``q_len = 1``; with a left window
   ``left``, the query at position ``p`` sees ``min(p + 1, left + 1)`` keys)
+* training-step FLOPs  = 3.5 × the useful causal FLOPs (``prefill-bwd``: P1-bwd, P2-bwd). The timed call is one
+  training step of the attention: the forward and, through ``jax.vjp``, the backward for a fixed cotangent
+  ``d_out`` (what ``jax.grad`` of a loss through the call runs, the loss aside). Per visible pair and query head
+  the forward does two matmuls (QKᵀ, P·V) and the backward five (QKᵀ again, dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K,
+  dK = dSᵀ·Q): 1 + 2.5 = 3.5 forwards, FlashAttention's count. FlashAttention's published backward figures divide
+  the 2.5 by the backward's time alone: they are not this metric
 * K/V bytes            = Σ keys read · num_kv_heads · head_dim · 2 (K and V) · itemsize  +  q bytes  +  out bytes
   (keys read = ``seq_len``, or with a left window ``min(seq_len, q_len + left)``: the keys inside some query's
   window; a windowed decode reads ``min(seq_len, left + 1)``)
@@ -71,9 +77,11 @@ class Group:
 class Spec:
     """One benchmark workload.
 
-    kind: ``prefill`` (packed contiguous q/k/v, :func:`pallas_attn.varlen_attention`), ``decode`` (one query per
-    request over a paged cache), ``ragged`` (packed new tokens over a paged cache, :func:`pallas_attn.paged_attention`),
-    ``sparse`` (top-k sparse MLA over a paged latent cache) or ``mla`` (dense MLA over a paged latent cache,
+    kind: ``prefill`` (packed contiguous q/k/v, :func:`pallas_attn.varlen_attention`), ``prefill-bwd`` (a prefill
+    batch as a training step: the forward and its gradients for q, k, v under a fixed cotangent ``d_out``
+    ``[num_tokens, num_q_heads, head_dim]``), ``decode`` (one query per request over a paged cache), ``ragged``
+    (packed new tokens over a paged cache, :func:`pallas_attn.paged_attention`), ``sparse`` (top-k sparse MLA over
+    a paged latent cache) or ``mla`` (dense MLA over a paged latent cache,
     :func:`pallas_attn.mla_attention`: a decode when every request has one new token, else causal multi-token
     steps). Both MLA kinds keep one latent head per position (``num_kv_heads`` 1) of ``head_dim`` dims (576), the
     values its first ``kv_lora_rank``.
@@ -152,6 +160,16 @@ class Spec:
 FEATURE_KWARGS = {"window_size": "window_size", "softcap": "softcap", "alibi_slopes": "alibi", "sinks": "sinks"}
 FP8_KWARGS = ("k_scale", "v_scale")  # the paged functions' scales of an FP8 cache (Spec.kv_dtype)
 FP8_KV_SCALE = 1 / 64  # normal K and V of |x| < 7 stored under 448, e4m3's largest finite value
+PACKED_KINDS = ("prefill", "prefill-bwd")  # contiguous packed q, k, v (no pages)
+# A training step's FLOPs per forward FLOP: the forward's two matmuls per visible pair and the backward's five
+# (FlashAttention's count, its backward = 2.5 forwards).
+TRAINING_FLOP_FACTOR = 3.5
+
+
+def _training_step(spec: Spec, what: str) -> Spec:
+    """``<id>-bwd``: the prefill workload's batch (groups, heads, dims, dtype, seed: the same q, k, v) timed as a
+    training step (kind ``prefill-bwd``)."""
+    return dataclasses.replace(spec, id=f"{spec.id}-bwd", kind="prefill-bwd", what=what)
 
 
 def _gpt_oss_decode(ctx: int, window: int, batch: int, shapes: dict) -> tuple[Spec, Spec]:
@@ -169,9 +187,11 @@ def _gpt_oss_decode(ctx: int, window: int, batch: int, shapes: dict) -> tuple[Sp
 _P1_LENS = (8192, 4096, 4096, 2048, 2048, 2048, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256)
 _MLA = dict(num_kv_heads=1, head_dim=576, kv_lora_rank=512, block_size=64)  # the latent cache of L1 and L2
 
+_P1 = Spec("P1", "prefill", "varlen prefill, 16 requests 256..8192", (Group(_P1_LENS),))
+_P2 = Spec("P2", "prefill", "long prefill, one request of 32768", (Group((32768,)),))
 WORKLOADS: dict[str, Spec] = {s.id: s for s in [
-    Spec("P1", "prefill", "varlen prefill, 16 requests 256..8192", (Group(_P1_LENS),)),
-    Spec("P2", "prefill", "long prefill, one request of 32768", (Group((32768,)),)),
+    _P1,
+    _P2,
     Spec("D1", "decode", "paged decode, 64 requests ctx 1k..8k, block 16", (Group(Draw(1024, 8192, 64), 1),),
          units=("GB/s",)),
     Spec("D2", "decode", "long-context decode (split-KV), ctx 20000..131072",
@@ -193,12 +213,17 @@ WORKLOADS: dict[str, Spec] = {s.id: s for s in [
     *_gpt_oss_decode(32768, 128, 64, dict(num_q_heads=64, num_kv_heads=8, head_dim=64)),
     Spec("W2", "prefill", "Mistral-shaped prefill, one request of 32768, sliding window 4096", (Group((32768,)),),
          window_size=(4095, 0), twin="P2"),
+    # training steps: forward + backward, TFLOP/s over TRAINING_FLOP_FACTOR × the forward's useful FLOPs
+    _training_step(_P1, "P1 as a training step: forward + backward (dq, dk, dv), 16 requests 256..8192"),
+    _training_step(_P2, "P2 as a training step: forward + backward (dq, dk, dv), one request of 32768"),
 ]}
 
 _TINY = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
+_TINY_P1 = Spec("P1", "prefill", "tiny varlen prefill", (Group((48, 32, 17, 16, 8, 7)),), **_TINY)
+_TINY_P2 = Spec("P2", "prefill", "tiny long prefill", (Group((96,)),), **_TINY)
 TINY_WORKLOADS: dict[str, Spec] = {s.id: s for s in [
-    Spec("P1", "prefill", "tiny varlen prefill", (Group((48, 32, 17, 16, 8, 7)),), **_TINY),
-    Spec("P2", "prefill", "tiny long prefill", (Group((96,)),), **_TINY),
+    _TINY_P1,
+    _TINY_P2,
     Spec("D1", "decode", "tiny paged decode", (Group(Draw(16, 96, 4), 1),), units=("GB/s",), **_TINY),
     Spec("D2", "decode", "tiny long-context decode", (Group((20, 35, 66, 131), 1),), units=("GB/s",), **_TINY),
     Spec("V1", "ragged", "tiny verification", (Group(Draw(16, 64, 3), 6),), seed=1, units=("GB/s",), **_TINY),
@@ -212,6 +237,8 @@ TINY_WORKLOADS: dict[str, Spec] = {s.id: s for s in [
          units=("TFLOP/s", "GB/s"), **{**_MLA, "block_size": 16}),
     *_gpt_oss_decode(96, 16, 4, _TINY),
     Spec("W2", "prefill", "tiny windowed prefill", (Group((96,)),), window_size=(31, 0), twin="P2", **_TINY),
+    _training_step(_TINY_P1, "tiny varlen prefill as a training step"),
+    _training_step(_TINY_P2, "tiny long prefill as a training step"),
 ]}
 
 SPLIT_SWEEP_BATCHES = (1, 4, 16, 64)
@@ -409,7 +436,7 @@ class HostBatch:
 
     @property
     def paged(self) -> bool:
-        return self.spec.kind != "prefill"
+        return self.spec.kind not in PACKED_KINDS
 
     @property
     def one_token_each(self) -> bool:
@@ -440,7 +467,8 @@ class HostBatch:
             return float(valid * (2 * s.num_q_heads * s.head_dim + 2 * s.num_q_heads * s.kv_lora_rank))
         if s.kind == "mla":  # QKᵀ over the 576 dims, P·V over the first kv_lora_rank
             return float(self.visible_pairs() * s.num_q_heads * (2 * s.head_dim + 2 * s.kv_lora_rank))
-        return float(4 * self.visible_pairs() * s.head_dim * s.num_q_heads)
+        forward = 4 * self.visible_pairs() * s.head_dim * s.num_q_heads
+        return float(TRAINING_FLOP_FACTOR * forward if s.kind == "prefill-bwd" else forward)
 
     def bytes_moved(self) -> float:
         s = self.spec
@@ -466,8 +494,8 @@ class HostBatch:
         s = self.spec
         item = s.jnp_dtype.itemsize
         q = self.num_tokens * s.num_q_heads * s.head_dim * item
-        if s.kind == "prefill":
-            return q + 2 * self.num_tokens * s.num_kv_heads * s.head_dim * item
+        if s.kind in PACKED_KINDS:  # a training step reads its cotangent d_out too, q's size
+            return (2 if s.kind == "prefill-bwd" else 1) * q + 2 * self.num_tokens * s.num_kv_heads * s.head_dim * item
         if s.kind in ("sparse", "mla"):
             return q + self.num_pages * s.block_size * s.head_dim * item
         pages = self.num_pages
@@ -522,7 +550,7 @@ def build_host(spec: Spec) -> HostBatch:
         raise ValueError(f"{spec.id}: a request has more new tokens than keys")
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     tables, num_pages, topk = None, 0, None
-    if spec.kind != "prefill":
+    if spec.kind not in PACKED_KINDS:
         tables, num_pages = page_tables(seq_lens, spec.block_size, rng)
     if spec.kind == "sparse":
         topk = _topk_indices(seq_lens, q_lens, spec.topk, rng)
@@ -552,6 +580,7 @@ class Batch:
 
     arrays, by kind:
       prefill: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens i32[B+1]
+      prefill-bwd: the same, and d_out [T, Hq, D] (the cotangent of the output, q's dtype)
       decode:  q [B, Hq, D], k_cache/v_cache [num_pages, block_size, Hkv, D], block_tables i32[B, max_blocks],
                context_lens i32[B]
       ragged:  q [T, Hq, D], k_cache/v_cache, block_tables, seq_lens i32[B], cu_query_lens i32[B+1]
@@ -584,11 +613,13 @@ def build_arrays(host: HostBatch, key: jax.Array) -> Batch:
 
     T = host.num_tokens
     arrays: dict[str, jax.Array] = {}
-    if s.kind == "prefill":
+    if s.kind in PACKED_KINDS:
         arrays["q"] = normal(kq, (T, s.num_q_heads, s.head_dim))
         arrays["k"] = normal(kk, (T, s.num_kv_heads, s.head_dim))
         arrays["v"] = normal(kv, (T, s.num_kv_heads, s.head_dim))
         arrays["cu_seqlens"] = jnp.asarray(host.cu_query_lens, jnp.int32)
+        if s.kind == "prefill-bwd":  # a key of its own: q, k and v stay those of the forward workload
+            arrays["d_out"] = normal(jax.random.fold_in(key, 2), (T, s.num_q_heads, s.head_dim))
     elif s.kind in ("decode", "ragged"):
         cache_shape = (host.num_pages, s.block_size, s.num_kv_heads, s.head_dim)
         arrays["q"] = normal(kq, (T, s.num_q_heads, s.head_dim))

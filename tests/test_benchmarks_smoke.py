@@ -3,7 +3,8 @@
 Interpreted on CPU (a few seconds), compiled on a GPU; checks the JSON rows the results format promises, the
 ``--variant`` and ``--budget`` options, and that a run cut short leaves a readable file. The ``jax_pallas_mgpu``
 anchor (GPU only) is checked without a GPU: its per-length-group layout round-trips packed rows exactly, it refuses
-what it cannot run, and its P1/P2 function lowers for an abstract H200 (~4 s).
+what it cannot run, and its P1/P2 function lowers for an abstract H200 (~4 s). The training steps (P1-bwd, P2-bwd)
+run with their anchors, their metric counts 3.5 forwards, and their gradient check catches a gradient that leaks.
 """
 
 from __future__ import annotations
@@ -403,3 +404,104 @@ def test_model_grid(tmp_path):
     rows = json.loads(next(tmp_path.glob("*-tiny.json")).read_text())
     assert {r["workload"] for r in rows} - {"ceiling"} == {s.id for s in wl.model_grid_specs(tiny=True)}
     assert all(r["rel_err"] is not None and r["rel_err"] < 1e-2 for r in rows if r["impl"] == "pallas_attn")
+
+
+# ------------------------------------------------------------------------------------ training steps (P1-bwd, P2-bwd)
+def test_training_steps_are_the_prefill_batches_at_three_and_a_half_forwards():
+    from benchmarks import workloads as wl
+    for tiny in (False, True):
+        table = wl.TINY_WORKLOADS if tiny else wl.WORKLOADS
+        for wid in ("P1", "P2"):
+            fwd, step = table[wid], table[f"{wid}-bwd"]
+            assert step.kind == "prefill-bwd"
+            assert dataclasses.replace(step, id=wid, kind="prefill", what=fwd.what) == fwd  # groups, heads, seed
+            h_fwd, h_step = wl.build_host(fwd), wl.build_host(step)
+            assert h_step.flops() == 3.5 * h_fwd.flops() and not h_step.paged
+    p1 = wl.build_host(wl.WORKLOADS["P1-bwd"])
+    assert p1.flops() == 14 * sum(n * (n + 1) // 2 for n in p1.seq_lens) * 128 * 32
+    assert {"P1-bwd", "P2-bwd"} <= set(run.STANDARD_IDS)
+    assert [s.id for s in run._selected_specs(run.parse_args(["--only", "p1-bwd"]))] == ["P1-bwd"]
+
+
+def test_tiny_training_steps_run_with_their_anchors(tmp_path):
+    """Ours, mha's Triton VJP and the jnp floor's autodiff match the reference gradients; cuDNN and tokamax say why
+    they cannot run where they cannot (no cuDNN on a CPU, no tokamax package)."""
+    from benchmarks import workloads as wl
+    assert run.main(["--tiny", "--only", "P1-bwd,P2-bwd", "--out", str(tmp_path), "--no-plots",
+                     "--target-s", "0.005"]) == 0
+    (path,) = tmp_path.glob("*-tiny.json")
+    rows = {(r["workload"], r["impl"]): r for r in json.loads(path.read_text()) if r["workload"] != "ceiling"}
+    impls = {"pallas_attn", "pallas_attn/triton", "cudnn", "jax_pallas_mha", "tokamax_mosaic", "jnp"}
+    assert set(rows) >= {(w, i) for w in ("P1-bwd", "P2-bwd") for i in impls}
+    for (workload, impl), r in rows.items():
+        assert r["kind"] == "prefill-bwd" and r["unit"] == "TFLOP/s"
+        if impl in ("pallas_attn", "pallas_attn/triton", "jax_pallas_mha", "jnp"):
+            assert r["error"] is None, (workload, impl, r["error"])
+        if r["error"] is None:
+            assert r["rel_err"] < 2e-2, (workload, impl, r["rel_err"])
+            host = wl.build_host(wl.TINY_WORKLOADS[workload])
+            assert r["metric"] == pytest.approx(host.flops() / (r["median_ms"] * 1e-3) / 1e12)
+    tokamax = rows[("P1-bwd", "tokamax_mosaic")]
+    assert tokamax["error"] is None or "tokamax" in tokamax["error"] or "GPU only" in tokamax["error"]
+
+
+def test_training_step_check_covers_every_row():
+    """The check keeps the cotangent on prefixes of three requests; the reference's gradients there are exact and
+    every other row's gradient must be zero: a gradient that leaks past a prefix is caught."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import checks, workloads as wl
+    spans = checks._grad_spans(wl.build_host(wl.WORKLOADS["P1-bwd"]))
+    # in packed order: the longest (8192) and a middle request (1024) their first GRAD_ROWS, the shortest whole
+    assert [m for _, m in spans] == [checks.GRAD_ROWS, checks.GRAD_ROWS, 256]
+    batch = wl.build_arrays(wl.build_host(wl.TINY_WORKLOADS["P1-bwd"]), jax.random.key(0))
+    subset = checks.reference_subset(batch)
+    kept = np.asarray(jnp.any(checks.check_cotangent(batch) != 0, axis=(1, 2)))
+    assert np.array_equal(np.flatnonzero(kept), subset.rows)  # tiny requests are whole: 7, 17 and 48 rows
+    T = batch.host.num_tokens
+    exact = []
+    for ref in subset.refs:
+        full = np.zeros((T, *ref.shape[1:]), np.float32)
+        full[subset.rows] = ref
+        exact.append(jnp.asarray(full))
+    assert checks.rel_err(tuple(exact), subset) == 0.0
+    outside = int(np.flatnonzero(~kept)[0])
+    leaked = (exact[0], exact[1].at[outside].add(1.0), exact[2])
+    assert checks.rel_err(leaked, subset) > 0.1
+
+
+def test_training_step_sweep_and_variants_set_the_backward_tiles(tmp_path):
+    from benchmarks import sweep, variants, workloads as wl
+    from pallas_attn.core import config as config_lib
+    p1, step = wl.WORKLOADS["P1"], wl.WORKLOADS["P1-bwd"]
+    grid = sweep.stage1(step, tiny=False)
+    assert len(grid) == 36 and all(set(e) == {"backward_config"} for e in grid)
+    assert sweep.label(grid[0]).startswith("backward_config: block_m=32")
+    v = variants.parse("bwd:backward_config.block_n=64")
+    assert variants.accepts(step, v) and not variants.accepts(p1, v)
+    assert variants.resolve(step, v)["backward_config"] == dataclasses.replace(
+        config_lib.default_backward_config(128), block_n=64)
+    assert run.main(["--tiny", "--sweep", "--only", "P1-bwd", "--out", str(tmp_path), "--target-s", "0.005"]) == 0
+    (path,) = tmp_path.glob("*-sweep.json")
+    results = json.loads(path.read_text())["workloads"]["P1-bwd"]["results"]
+    assert [e["stage"] for e in results] == ["default", "1", "1"]
+    assert all(e["error"] is None and e["rel_err"] < 2e-2 for e in results)
+    assert results[1]["backward_config"]["block_m"] == 16
+
+
+@pytest.mark.parametrize("impl", ["pallas_attn/mosaic", "jax_pallas_mha"])
+def test_training_step_lowers_for_h200_at_p1(impl):
+    """P1-bwd at its real shapes, compiled for an abstract H200: the Mosaic forward under our Triton backward, and
+    mha's backward over the 29,184-token packed row (its tiles must divide it)."""
+    import jax
+
+    from benchmarks import impls, workloads as wl
+    from tests.test_lowering import _lower
+    batch = wl.build_arrays(wl.build_host(wl.WORKLOADS["P1-bwd"]), jax.random.key(0))
+    prepared = {i.name: i for i in impls.all_impls()}[impl].prepare([batch], impls.Options(interpret=False))
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), prepared.args[0])
+    text = _lower(prepared.fn, *shapes)
+    assert text.count("__gpu$xla.gpu.triton") >= 2  # the backward's kernels (dK/dV and dQ; mha's fused one + dO·O)
+    assert ("mosaic_gpu" in text) == (impl == "pallas_attn/mosaic")
