@@ -21,6 +21,7 @@ WITHOUT_TRITON = textwrap.dedent("""
     import sys
     sys.modules["jax.experimental.pallas.triton"] = None  # what a JAX without the backend does on import
     import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_cpu_enable_async_dispatch", False)  # the Mosaic GPU interpreter: tests/conftest.py
     import pallas_attn as pa
     from pallas_attn.testing import assert_attention_close, make_paged_kv, random_packed
     assert not pa.core.backend.triton_available()

@@ -71,19 +71,25 @@ def _owned_rows(cu_seqlens, num_tokens: int, max_seqlen: int):
     return (req >= 0) & (local < max_seqlen)
 
 
-def _differentiable(forward, *, max_seqlen: int, causal: bool, scale: float, interpret: bool,
+def _differentiable(forward, *, return_lse: bool, max_seqlen: int, causal: bool, scale: float, interpret: bool,
                     cfg: config_lib.PrefillConfig, mods: masks.ScoreMods):
-    """``forward`` ((q, k, v, cu_seqlens, alibi_slopes, sinks) → (out, lse)) under :func:`jax.custom_vjp`: the
-    forward saves ``out`` and the LSE, the backward runs the Triton kernels of
+    """``forward(..., return_lse=)`` (a kernel on ``(q, k, v, cu_seqlens, alibi_slopes, sinks)``) under
+    :func:`jax.custom_vjp`, returning ``(out, lse)``. A plain call runs the kernel as asked (the LSE only with
+    ``return_lse``; else a placeholder, dropped by the caller); under differentiation the forward also computes the
+    LSE and saves it with ``out``, and the backward runs the Triton kernels of
     :mod:`pallas_attn.kernels.triton.prefill_bwd` (the docstring there has the formulas). Gradients reach q, k, v
     and the sinks; a cotangent on the returned LSE is honoured."""
 
     @jax.custom_vjp
     def attention(q, k, v, cu_seqlens, alibi_slopes, sinks):
-        return forward(q, k, v, cu_seqlens, alibi_slopes, sinks)
+        if return_lse:
+            return forward(q, k, v, cu_seqlens, alibi_slopes, sinks, return_lse=True)
+        out = forward(q, k, v, cu_seqlens, alibi_slopes, sinks, return_lse=False)
+        out = out[0] if isinstance(out, tuple) else out  # the Mosaic kernel gives (out, None)
+        return out, jnp.zeros(q.shape[:2], jnp.float32)  # not returned: the kernel writes no LSE
 
     def attention_fwd(q, k, v, cu_seqlens, alibi_slopes, sinks):
-        out, lse = forward(q, k, v, cu_seqlens, alibi_slopes, sinks)
+        out, lse = forward(q, k, v, cu_seqlens, alibi_slopes, sinks, return_lse=True)
         return (out, lse), (q, k, v, cu_seqlens, alibi_slopes, sinks, out, lse)
 
     def attention_bwd(residuals, cotangents):
@@ -192,16 +198,16 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         function="varlen_attention")
     if q.shape[0] == 0 or cu_seqlens.shape[0] == 1:  # no tokens or no request: every row is padding, no kernel
         return common.no_rows(*q.shape, q.dtype, return_lse)
-    # The forward always computes the LSE (a float per row and head): the backward needs it.
     if backend == "mosaic":
         run = functools.partial(mosaic_prefill.varlen_attention_mosaic, max_seqlen=max_seqlen, causal=causal,
-                                scale=float(scale), return_lse=True, interpret=interpret,
+                                scale=float(scale), interpret=interpret,
                                 cfg=config or config_lib.default_mosaic_prefill_config(q.shape[-1]), mods=mods)
     else:
         cfg = config or config_lib.default_prefill_config(q.shape[-1], q.dtype.itemsize)
         run = functools.partial(triton_prefill.varlen_attention_triton, max_seqlen=max_seqlen, causal=causal,
-                                scale=float(scale), return_lse=True, interpret=interpret, cfg=cfg, mods=mods)
-    attention = _differentiable(run, max_seqlen=max_seqlen, causal=causal, scale=float(scale), interpret=interpret,
-                                cfg=backward_config or config_lib.default_backward_config(q.shape[-1]), mods=mods)
+                                scale=float(scale), interpret=interpret, cfg=cfg, mods=mods)
+    attention = _differentiable(run, return_lse=return_lse, max_seqlen=max_seqlen, causal=causal, scale=float(scale),
+                                interpret=interpret, mods=mods,
+                                cfg=backward_config or config_lib.default_backward_config(q.shape[-1]))
     out, lse = attention(q, k, v, cu_seqlens, alibi_slopes, sinks)
     return (out, lse) if return_lse else out
