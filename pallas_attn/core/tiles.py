@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_attn.core import masks, softmax
+from pallas_attn.core import config as config_lib, masks, softmax
 from pallas_attn.core.backend import pallas_triton as plgpu  # None without the backend: the ops say so
 
 MIN_DOT_ROWS = 16  # tensor-core dots want M >= 16: GQA groups / short query blocks are padded up to this many rows
@@ -54,6 +54,20 @@ def load_parts(ref, rows, cols, row_mask=None):
     if isinstance(cols, tuple):
         return tuple(load_rows(ref, rows, c, row_mask) for c in cols)
     return load_rows(ref, rows, cols, row_mask)
+
+
+def latent_cols(kv_lora_rank: int, rope_dim: int) -> tuple[Cols, Cols | None]:
+    """The two column groups of an MLA latent row ``[kv_lora_rank + rope_dim]``: the latent part (the values, and
+    the keys' first dims) and the rope part padded to a power of two (None without one), so no 576-wide
+    (non-power-of-two) tile exists."""
+    rope = Cols(rope_dim, config_lib.next_pow2(rope_dim), offset=kv_lora_rank) if rope_dim else None
+    return Cols(kv_lora_rank, kv_lora_rank), rope
+
+
+def load_latent(ref, rows, cols: tuple[Cols, Cols | None], row_mask=None):
+    """``([R, kv_lora_rank], [R, rope] | None)``: the latent and rope parts of MLA rows (:func:`latent_cols`)."""
+    latent, rope = cols
+    return load_rows(ref, rows, latent, row_mask), (load_rows(ref, rows, rope, row_mask) if rope else None)
 
 
 def store_parts(ref, rows, cols, value, row_mask=None):
@@ -143,6 +157,28 @@ def program_pages_in_pool(block_table_ref, table_base, key_start, key_end, block
 
     num_chunks = jnp.where(key_end > key_start, last - first + chunk - 1, 0) // chunk  # no key: nothing read
     return jax.lax.fori_loop(0, num_chunks, count_bad, jnp.int32(0)) == 0
+
+
+def page_guard(block_table_ref, table_base, block_size: int, num_pages: int, max_blocks: int):
+    """The ``guarded(key_start, key_end)`` of :func:`paged_tile_plan` for the request whose table row starts at
+    ``table_base``: True when a page of those keys is outside the pool (:func:`program_pages_in_pool`), so every
+    tile goes through the masked step."""
+    def guarded(key_start, key_end):
+        return ~program_pages_in_pool(block_table_ref, table_base, key_start, key_end, block_size, num_pages,
+                                      max_blocks)
+
+    return guarded
+
+
+def query_block_frame(cu_query_lens_ref, seq_lens_ref, req, first, tok_in_block, capacity: int):
+    """Where a query block of the ragged kernels sits in request ``req``: ``(q_start, q_len, seq_len, context,
+    tok)``, its rows' request-local tokens ``tok = first + tok_in_block`` (``[M]``), the request's new tokens at
+    ``[q_start, q_start + q_len)`` of the packed rows and at absolute positions ``context + tok``. ``seq_len`` is
+    clamped to the table's ``capacity``: past it nothing more is read."""
+    q_start = cu_query_lens_ref[req]
+    q_len = cu_query_lens_ref[req + 1] - q_start
+    seq_len = jnp.clip(seq_lens_ref[req], 0, capacity)
+    return q_start, q_len, seq_len, seq_len - q_len, first + tok_in_block
 
 
 def dot_precision(dtype):

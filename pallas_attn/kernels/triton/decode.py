@@ -66,10 +66,7 @@ def _decode_kernel(
 
     num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
 
-    def guarded(key_start, key_end):  # a page of the program's keys outside the pool: every tile masked
-        return ~tiles.program_pages_in_pool(block_tables_ref, b * max_blocks, key_start, key_end, block_size,
-                                            num_pages, max_blocks)
-
+    guarded = tiles.page_guard(block_tables_ref, b * max_blocks, block_size, num_pages, max_blocks)
     tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
         ctx - 1, ctx - 1, ctx, block_n, split, num_splits, split_size, mods, guarded=guarded)
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)

@@ -58,38 +58,26 @@ def _mla_kernel(
     head = hb * block_h + r % block_h
     head_valid = (head < num_heads) & (tok_in_block < block_q)  # rows past block_q × block_h pad a 16-row dot
     req = block_req_ref[p]
-    latent = tiles.Cols(kv_lora_rank, kv_lora_rank)
-    rope = tiles.Cols(rope_dim, config_lib.next_pow2(rope_dim), offset=kv_lora_rank) if rope_dim else None
+    parts = tiles.latent_cols(kv_lora_rank, rope_dim)  # (latent, rope) column groups of a row
+    latent = parts[0]  # the output's columns
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
-
-    def load_split(ref, row_idx, row_mask):
-        """``[R, Dv]`` latent part and ``[R, rope]`` rope part (columns ``Dv..Dqk``) of rows."""
-        nope = tiles.load_rows(ref, row_idx, latent, row_mask)
-        return nope, (tiles.load_rows(ref, row_idx, rope, row_mask) if rope_dim else None)
 
     @pl.when(req >= 0)
     def _attend():
-        q_start = cu_query_lens_ref[req]
-        q_len = cu_query_lens_ref[req + 1] - q_start
-        seq_len = jnp.clip(seq_lens_ref[req], 0, max_blocks * block_size)  # past the table: nothing more is read
-        context = seq_len - q_len
         first = block_first_ref[p]
-        tok = first + tok_in_block  # [M] request-local query index
+        q_start, q_len, seq_len, context, tok = tiles.query_block_frame(
+            cu_query_lens_ref, seq_lens_ref, req, first, tok_in_block, max_blocks * block_size)
         row_valid = (tok < q_len) & head_valid
         # Masked rows get distinct out-of-range indices (see tiles.store_rows).
         q_rows = jnp.where(row_valid, (q_start + tok) * num_heads + head, num_tokens * num_heads + r)
-        q_nope, q_pe = load_split(q_ref, q_rows, row_valid)  # [M, Dv], [M, rope]
+        q_nope, q_pe = tiles.load_latent(q_ref, q_rows, parts, row_valid)  # [M, Dv], [M, rope]
         q_pos = context + tok  # absolute positions: a full rectangle plus the new tokens' triangle
         q_last = context + jnp.minimum(first + block_q, q_len) - 1
         num_pages = kv_ref.shape[0] // block_size
 
-        def guarded(key_start, key_end):  # a page of the program's keys outside the pool: every tile masked
-            return ~tiles.program_pages_in_pool(block_tables_ref, req * max_blocks, key_start, key_end, block_size,
-                                                num_pages, max_blocks)
-
         tile_start, _, full_end, kv_end, _ = tiles.paged_tile_plan(
             context + first, q_last, seq_len, block_n, split, num_splits, split_size, masks.NO_MODS,
-            guarded=guarded)
+            guarded=tiles.page_guard(block_tables_ref, req * max_blocks, block_size, num_pages, max_blocks))
 
         def scores(k_nope, k_pe):  # [M, N] base 2
             s = dot(q_nope, k_nope.T)
@@ -102,13 +90,13 @@ def _mla_kernel(
             if not masked:  # pages vouched for by the program's check: no guard, no mask
                 slot, _ = tiles.paged_rows(block_tables_ref, req * max_blocks, k_pos, block_size, 1, 0, num_pages,
                                            guard=False)
-                k_nope, k_pe = load_split(kv_ref, slot, None)
+                k_nope, k_pe = tiles.load_latent(kv_ref, slot, parts, None)
                 return softmax.online_softmax_step(state, scores(k_nope, k_pe), k_nope, dot)
             k_valid = k_pos < seq_len
             slot, page_ok = tiles.paged_rows(block_tables_ref, req * max_blocks, k_pos, block_size, 1, 0, num_pages,
                                              k_valid)
             ok = k_valid & page_ok
-            k_nope, k_pe = load_split(kv_ref, slot, ok)  # masked keys read as 0: V stays finite
+            k_nope, k_pe = tiles.load_latent(kv_ref, slot, parts, ok)  # masked keys read as 0: V stays finite
             # A key past the request or on a page outside the pool moves past every query: one [M, N] compare is
             # the whole causal, length and page mask.
             visible = jnp.where(ok, k_pos, jnp.iinfo(jnp.int32).max)[None, :] <= q_pos[:, None]

@@ -167,12 +167,9 @@ def _ragged_kernel(
 
     @pl.when((req >= 0) & (p < num_q_blocks))
     def _attend():
-        q_start = cu_query_lens_ref[req]
-        q_len = cu_query_lens_ref[req + 1] - q_start
-        seq_len = jnp.clip(seq_lens_ref[req], 0, max_blocks * block_size)  # past the table: nothing more is read
-        context = seq_len - q_len
         first = block_first_ref[p]
-        tok = first + tok_in_block  # [M] request-local query index
+        q_start, q_len, seq_len, context, tok = tiles.query_block_frame(
+            cu_query_lens_ref, seq_lens_ref, req, first, tok_in_block, max_blocks * block_size)
         row_valid = (tok < q_len) & (g < group)
         q_rows = jnp.where(row_valid, (q_start + tok) * num_q_heads + kv_head * group + g, oob)
         q = tiles.load_parts(q_ref, q_rows, q_cols, row_valid)  # [M, Dp] (FP8: even and odd dims)
@@ -181,10 +178,7 @@ def _ragged_kernel(
         q_last = context + jnp.minimum(first + block_q, q_len) - 1
         num_pages = k_ref.shape[0] // (block_size * num_kv_heads)
 
-        def guarded(key_start, key_end):  # a page of the program's keys outside the pool: every tile masked
-            return ~tiles.program_pages_in_pool(block_tables_ref, req * max_blocks, key_start, key_end, block_size,
-                                                num_pages, max_blocks)
-
+        guarded = tiles.page_guard(block_tables_ref, req * max_blocks, block_size, num_pages, max_blocks)
         tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
             context + first, q_last, seq_len, block_n, split, num_splits, split_size, mods, guarded=guarded)
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)

@@ -55,19 +55,13 @@ def _sparse_kernel(
     head = hb * block_h + jnp.arange(block_h)
     row_valid = head < num_heads
     q_rows = jnp.where(row_valid, t * num_heads + head, o_ref.shape[0] + jnp.arange(block_h))
-    latent = tiles.Cols(kv_lora_rank, kv_lora_rank)
-    rope = tiles.Cols(rope_dim, config_lib.next_pow2(rope_dim), offset=kv_lora_rank) if rope_dim else None
+    parts = tiles.latent_cols(kv_lora_rank, rope_dim)  # (latent, rope) column groups of a row
     value = tiles.Cols(value_width, value_width, offset=vs * value_width)  # this program's output columns
     req = token_req_ref[t]
     num_keys = token_keys_ref[t]
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
 
-    def load_split(ref, rows, row_mask):
-        """``[R, Dv]`` latent part and ``[R, rope]`` rope part (columns ``Dv..Dqk``) of rows."""
-        nope = tiles.load_rows(ref, rows, latent, row_mask)
-        return nope, (tiles.load_rows(ref, rows, rope, row_mask) if rope_dim else None)
-
-    q_nope, q_pe = load_split(q_ref, q_rows, row_valid & (req >= 0))  # [H_blk, Dv], [H_blk, rope]
+    q_nope, q_pe = tiles.load_latent(q_ref, q_rows, parts, row_valid & (req >= 0))  # [H_blk, Dv], [H_blk, rope]
 
     def step(j, state):
         pos = plgpu.load(topk_ref.at[t * topk + j * block_n + jnp.arange(block_n)])  # [N]
@@ -76,7 +70,7 @@ def _sparse_kernel(
         slot, page_ok = tiles.paged_rows(block_tables_ref, req * max_blocks, pos, block_size, 1, 0,
                                          kv_ref.shape[0] // block_size, valid)  # [N]
         valid = valid & page_ok  # an index on a page id outside the pool is ignored like -1
-        k_nope, k_pe = load_split(kv_ref, slot, valid)  # [N, Dv], [N, rope]
+        k_nope, k_pe = tiles.load_latent(kv_ref, slot, parts, valid)  # [N, Dv], [N, rope]
         s = dot(q_nope, k_nope.T)  # [H_blk, N]
         if rope_dim:
             s = s + dot(q_pe, k_pe.T)
