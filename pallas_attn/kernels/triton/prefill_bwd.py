@@ -67,6 +67,23 @@ def _probabilities_and_dscores(q, k, v, do, l2, delta, *, q_pos, k_pos, seq_len,
     return p, p * (dp - delta[:, None]) * ds
 
 
+def _request(cu_seqlens_ref, b, *, num_seqs: int, num_tokens: int, max_seqlen: int):
+    """``(seq_start, seq_len)`` of request ``b``'s rows, truncated to ``max_seqlen`` as the forward reads them."""
+    seq_start, seq_end = tiles.request_span(cu_seqlens_ref, b, num_seqs, num_tokens)
+    return seq_start, jnp.minimum(seq_end - seq_start, max_seqlen)
+
+
+def _query_rows(q_ref, do_ref, l2_ref, delta_ref, rows, cols, valid):
+    """``(q [M, Dp], dO [M, Dp], l2 [M], D [M])`` of one head's query rows; masked rows read as 0."""
+    return (tiles.load_rows(q_ref, rows, cols, valid), tiles.load_rows(do_ref, rows, cols, valid),
+            tiles.load_vector(l2_ref, rows, valid), tiles.load_vector(delta_ref, rows, valid))
+
+
+def _slope2(slopes_ref, q_head, rows: int, mods: masks.ScoreMods):
+    """``[rows]``: the query head's ALiBi slope in base 2, or None without ALiBi."""
+    return tiles.load_vector(slopes_ref, jnp.full((rows,), q_head)) * softmax.LOG2E if mods.alibi else None
+
+
 # ---------------------------------------------------------------------------------------------- dK / dV kernel
 def _dkdv_kernel(cu_seqlens_ref, q_ref, k_ref, v_ref, do_ref, l2_ref, delta_ref, *refs, num_seqs: int,
                  num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seqlen: int,
@@ -78,8 +95,7 @@ def _dkdv_kernel(cu_seqlens_ref, q_ref, k_ref, v_ref, do_ref, l2_ref, delta_ref,
     group = num_q_heads // num_kv_heads
     cols = tiles.Cols(head_dim, q_ref.shape[-1])
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
-    seq_start, seq_end = tiles.request_span(cu_seqlens_ref, b, num_seqs, num_tokens)
-    seq_len = jnp.minimum(seq_end - seq_start, max_seqlen)
+    seq_start, seq_len = _request(cu_seqlens_ref, b, num_seqs=num_seqs, num_tokens=num_tokens, max_seqlen=max_seqlen)
 
     @pl.when(n * block_n < seq_len)
     def _tile():
@@ -101,18 +117,14 @@ def _dkdv_kernel(cu_seqlens_ref, q_ref, k_ref, v_ref, do_ref, l2_ref, delta_ref,
 
         def head(g, acc):
             q_head = kv_head * group + g
-            slope2 = (tiles.load_vector(slopes_ref, jnp.full((block_m,), q_head)) * softmax.LOG2E
-                      if mods.alibi else None)
+            slope2 = _slope2(slopes_ref, q_head, block_m, mods)
 
             def query_tile(m, acc):
                 dk, dv = acc
                 q_pos = m * block_m + jnp.arange(block_m)
                 q_valid = q_pos < seq_len
                 rows = (seq_start + q_pos) * num_q_heads + q_head
-                q = tiles.load_rows(q_ref, rows, cols, q_valid)  # [M, Dp]
-                do = tiles.load_rows(do_ref, rows, cols, q_valid)
-                l2 = tiles.load_vector(l2_ref, rows, q_valid)
-                delta = tiles.load_vector(delta_ref, rows, q_valid)
+                q, do, l2, delta = _query_rows(q_ref, do_ref, l2_ref, delta_ref, rows, cols, q_valid)
                 p, dsc = _probabilities_and_dscores(q, k, v, do, l2, delta, q_pos=q_pos, k_pos=k_pos,
                                                     seq_len=seq_len, causal=causal, scale=scale, mods=mods,
                                                     slope2=slope2, dot=dot)
@@ -139,19 +151,15 @@ def _dq_kernel(cu_seqlens_ref, q_ref, k_ref, v_ref, do_ref, l2_ref, delta_ref, *
     kv_head = q_head // (num_q_heads // num_kv_heads)
     cols = tiles.Cols(head_dim, q_ref.shape[-1])
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
-    seq_start, seq_end = tiles.request_span(cu_seqlens_ref, b, num_seqs, num_tokens)
-    seq_len = jnp.minimum(seq_end - seq_start, max_seqlen)
+    seq_start, seq_len = _request(cu_seqlens_ref, b, num_seqs=num_seqs, num_tokens=num_tokens, max_seqlen=max_seqlen)
 
     @pl.when(m * block_m < seq_len)
     def _tile():
         q_pos = m * block_m + jnp.arange(block_m)
         q_valid = q_pos < seq_len
         rows = (seq_start + q_pos) * num_q_heads + q_head
-        q = tiles.load_rows(q_ref, rows, cols, q_valid)  # [M, Dp]
-        do = tiles.load_rows(do_ref, rows, cols, q_valid)
-        l2 = tiles.load_vector(l2_ref, rows, q_valid)
-        delta = tiles.load_vector(delta_ref, rows, q_valid)
-        slope2 = tiles.load_vector(slopes_ref, jnp.full((block_m,), q_head)) * softmax.LOG2E if mods.alibi else None
+        q, do, l2, delta = _query_rows(q_ref, do_ref, l2_ref, delta_ref, rows, cols, q_valid)
+        slope2 = _slope2(slopes_ref, q_head, block_m, mods)
         q_last = jnp.minimum((m + 1) * block_m, seq_len) - 1
         if mods.windowed:
             start, _, _, kv_end = masks.window_tile_ranges(m * block_m, q_last, seq_len, block_n,
