@@ -73,10 +73,10 @@ def _owned_rows(cu_seqlens, num_tokens: int, max_seqlen: int):
 
 def _differentiable(forward, *, return_lse: bool, max_seqlen: int, causal: bool, scale: float, interpret: bool,
                     cfg: config_lib.PrefillConfig, mods: masks.ScoreMods):
-    """``forward(..., return_lse=)`` (a kernel on ``(q, k, v, cu_seqlens, alibi_slopes, sinks)``) under
-    :func:`jax.custom_vjp`, returning ``(out, lse)``. A plain call runs the kernel as asked (the LSE only with
-    ``return_lse``; else a placeholder, dropped by the caller); under differentiation the forward also computes the
-    LSE and saves it with ``out``, and the backward runs the Triton kernels of
+    """``forward(..., return_lse=)`` (a kernel on ``(q, k, v, cu_seqlens, alibi_slopes, sinks)`` returning
+    ``(out, lse | None)``) under :func:`jax.custom_vjp`, returning ``(out, lse)``. A plain call runs the kernel as
+    asked (the LSE only with ``return_lse``; else a placeholder, dropped by the caller); under differentiation the
+    forward also computes the LSE and saves it with ``out``, and the backward runs the Triton kernels of
     :mod:`pallas_attn.kernels.triton.prefill_bwd` (the docstring there has the formulas). Gradients reach q, k, v
     and the sinks; a cotangent on the returned LSE is honoured."""
 
@@ -84,8 +84,7 @@ def _differentiable(forward, *, return_lse: bool, max_seqlen: int, causal: bool,
     def attention(q, k, v, cu_seqlens, alibi_slopes, sinks):
         if return_lse:
             return forward(q, k, v, cu_seqlens, alibi_slopes, sinks, return_lse=True)
-        out = forward(q, k, v, cu_seqlens, alibi_slopes, sinks, return_lse=False)
-        out = out[0] if isinstance(out, tuple) else out  # the Mosaic kernel gives (out, None)
+        out, _ = forward(q, k, v, cu_seqlens, alibi_slopes, sinks, return_lse=False)
         return out, jnp.zeros(q.shape[:2], jnp.float32)  # not returned: the kernel writes no LSE
 
     def attention_fwd(q, k, v, cu_seqlens, alibi_slopes, sinks):

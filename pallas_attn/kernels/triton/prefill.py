@@ -148,7 +148,8 @@ def _prefill_kernel(
 def varlen_attention_triton(q, k, v, cu_seqlens, alibi_slopes=None, sinks=None, *, max_seqlen, causal, scale,
                             return_lse, interpret, cfg: config_lib.PrefillConfig,
                             mods: masks.ScoreMods = masks.NO_MODS):
-    """``out [T, Hq, D]`` (and ``lse``); ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says."""
+    """``(out [T, Hq, D], lse f32[T, Hq] | None)`` (the LSE with ``return_lse``), as the Mosaic prefill returns
+    them; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
@@ -184,6 +185,4 @@ def varlen_attention_triton(q, k, v, cu_seqlens, alibi_slopes=None, sinks=None, 
         name=f"varlen_prefill_{'causal' if causal else 'full'}_d{head_dim}",
     )(cu_seqlens, q.reshape(-1, head_dim), k.reshape(-1, head_dim), v.reshape(-1, head_dim), *features)
     out = outs[0].reshape(num_tokens, num_q_heads, head_dim)
-    if return_lse:
-        return out, outs[1].reshape(num_tokens, num_q_heads)
-    return out
+    return out, (outs[1].reshape(num_tokens, num_q_heads) if return_lse else None)
