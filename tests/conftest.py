@@ -21,8 +21,8 @@ from pallas_attn.testing import TOLERANCES  # noqa: F401  (the one tolerance tab
 # The Mosaic GPU interpreter runs a kernel's warpgroups as threads, each executing its own XLA program whose
 # callbacks wait on the kernel's barriers. With asynchronous dispatch those programs queue on the CPU client's
 # worker pool, as many workers as cores: on a 2-core machine two warpgroups can hold both workers waiting for two
-# that never start (a deadlock seen on CI). Run them inline, each on its own thread; set before JAX starts its CPU
-# client (tests/test_no_triton.py's child process does the same).
+# that never start, a deadlock. Run them inline, each on its own thread; set before JAX starts its CPU client
+# (tests/test_no_triton.py's child process does the same).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 ON_GPU = backend.on_gpu()
 
