@@ -63,6 +63,43 @@ def test_paged_ragged(tokens, seqs, max_query_len, max_blocks):
     assert _pallas_calls(text) >= (1 if max_query_len <= 16 else 2)
 
 
+# The Mosaic paged kernel at the standard and model shapes: D1 (GQA 4, pages of 16: four copies a tile), a TP-8
+# shard of Llama-3.1-70B (one KV head, group 8), Gemma-3 decode (head dim 256, two slots), V1 and M1 in one launch,
+# pages of 64 with a window, soft-cap, ALiBi and sinks.
+MOSAIC_PAGED = {
+    "d1": (64, 64, 1, 512, 16, 32, 8, 128, {}),
+    "tp8_shard": (64, 64, 1, 512, 16, 8, 1, 128, dict(num_splits=4)),
+    "gemma_d256": (8, 8, 1, 256, 16, 8, 4, 256, dict(window_size=(1023, 0), softcap=50.0)),
+    "v1": (192, 32, 6, 1024, 16, 32, 8, 128, {}),
+    "m1": (2152, 68, 512, 512, 16, 32, 8, 128, dict(split_size=1024)),
+    "bs64_features": (256, 16, 32, 256, 64, 64, 8, 64, dict(alibi=True, sinks=True)),
+}
+
+
+@pytest.mark.parametrize("name", MOSAIC_PAGED)
+def test_paged_mosaic(name):
+    tokens, seqs, max_query_len, max_blocks, bs, hq, hkv, d, kw = MOSAIC_PAGED[name]
+    kw = dict(kw)
+    names = [f for f in ("alibi_slopes", "sinks") if kw.pop(f.split("_")[0], False)]  # f32[Hq] arrays
+
+    def fn(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *feats):
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
+                               max_query_len=max_query_len, return_lse=True, interpret=False, backend="mosaic",
+                               **dict(zip(names, feats)), **kw)
+
+    cache = S((seqs * max_blocks, bs, hkv, d), BF16)
+    text = _lower(fn, S((tokens, hq, d), BF16), cache, cache, S((seqs, max_blocks), I32), S((seqs,), I32),
+                  S((seqs + 1,), I32), *[S((hq,), jnp.float32)] * len(names))
+    assert "mosaic_gpu" in text
+
+
+def test_paged_decode_mosaic():
+    fn = functools.partial(paged_decode_attention, return_lse=True, interpret=False, backend="mosaic")
+    cache = S((64 * 512, 16, 8, 128), BF16)
+    text = _lower(fn, S((64, 32, 128), BF16), cache, cache, S((64, 512), I32), S((64,), I32))
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("cache_dtype, mode", [(jnp.float8_e4m3fn, "tensor"), (jnp.float8_e5m2, "tensor"),
                                                (jnp.float8_e4m3fn, "token")])
 def test_fp8_caches(cache_dtype, mode):

@@ -46,9 +46,17 @@ WITHOUT_TRITON = textwrap.dedent("""
     kc, vc, bt = make_paged_kv(rng, [9, 30], 16, 2, 64, jnp.bfloat16, max_blocks=2)
     qd = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
     lens = jnp.array([9, 30], jnp.int32)
-    raises(lambda: pa.paged_decode_attention(qd, kc, vc, bt, lens), "paged_decode_attention", "Triton")
-    raises(lambda: pa.paged_attention(qd, kc, vc, bt, lens, jnp.array([0, 1, 2], jnp.int32), max_query_len=1),
-           "paged_attention", "Triton")
+    out = pa.paged_decode_attention(qd, kc, vc, bt, lens)  # the default: Mosaic (its interpreter on CPU)
+    assert_attention_close(out, pa.reference.paged_decode_attention(qd, kc, vc, bt, lens), dtype=jnp.bfloat16)
+    cu1 = jnp.array([0, 1, 2], jnp.int32)
+    out = pa.paged_attention(qd, kc, vc, bt, lens, cu1, max_query_len=1)
+    assert_attention_close(out, pa.reference.paged_attention(qd, kc, vc, bt, lens, cu1), dtype=jnp.bfloat16)
+    print("paged: mosaic")
+    raises(lambda: pa.paged_decode_attention(qd.astype(jnp.float32), kc.astype(jnp.float32),
+                                             vc.astype(jnp.float32), bt, lens), "paged_decode_attention", "float32")
+    kc4, vc4, bt4 = make_paged_kv(rng, [9, 30], 4, 2, 64, jnp.bfloat16)
+    raises(lambda: pa.paged_attention(qd, kc4, vc4, bt4, lens, cu1, max_query_len=1), "paged_attention",
+           "block_size=4")
     grad = jax.grad(lambda q: pa.varlen_attention(q, k, v, cu, max_seqlen=70).astype(jnp.float32).sum())
     raises(lambda: grad(q), "the gradient of varlen_attention", "no Mosaic GPU kernel")  # the backward is Triton's
     raises(lambda: pa.varlen_attention(q, k, v, cu, max_seqlen=70, backend="triton"), "varlen_attention",

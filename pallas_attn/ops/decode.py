@@ -1,7 +1,9 @@
 """``paged_decode_attention``: one query per request over a paged cache — validation, split choice, the jitted
 public function.
 
-Kernel: :mod:`pallas_attn.kernels.triton.decode`. Reference: :func:`pallas_attn.reference.paged_decode_attention`.
+Kernels: :mod:`pallas_attn.kernels.triton.decode`, and on Hopper the ragged kernel of
+:mod:`pallas_attn.kernels.mosaic.paged` with one token per request. Reference:
+:func:`pallas_attn.reference.paged_decode_attention`.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
-from pallas_attn.core import backend, config as config_lib, masks, tiles, validation
+from pallas_attn.core import backend as backend_lib, config as config_lib, masks, tiles, validation
 from pallas_attn.kernels.triton import decode as triton_decode
-from pallas_attn.ops import common
+from pallas_attn.ops import common, paged
 from pallas_attn.ops.common import renamed_argument
 
 _OPTIONAL_INT = functools.partial(validation.check_static_int, optional=True)
@@ -40,12 +43,12 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale) -> 
                            interpret=_OPTIONAL_BOOL),
               scalars=dict(k_scale=validation.check_kv_scale, v_scale=validation.check_kv_scale))
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "window_size", "softcap", "num_splits", "split_size",
-                                             "return_lse", "interpret", "config"))
+                                             "return_lse", "interpret", "config", "backend"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softmax_scale: float | None = None,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
                            sinks=None, k_scale=None, v_scale=None, num_splits: int | None = None,
                            split_size: int | None = None, return_lse: bool = False, interpret: bool | None = None,
-                           config: config_lib.DecodeConfig | None = None):
+                           config: config_lib.DecodeConfig | None = None, backend: str | None = None):
     """One query per request against its paged K/V.
 
     Args:
@@ -76,6 +79,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
       return_lse: also return ``f32[num_seqs, num_q_heads]`` natural-log LSE.
       interpret: None → compiled on GPU, interpreted on CPU.
       config: :class:`pallas_attn.core.config.DecodeConfig`; None → tuned default.
+      backend: "triton" or "mosaic" (the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.paged`, whose rules
+        :func:`pallas_attn.paged_attention` lists); None: the Triton kernel while JAX ships its backend (or a config
+        is given), else the Mosaic kernel where it applies.
 
     Returns:
       ``out [num_seqs, num_q_heads, head_dim]`` in q's dtype (and ``lse``). ``num_seqs == 0``, ``max_blocks == 0``
@@ -90,6 +96,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
         if x is not None:
             validation.check_head_vector(name, x, q.shape[1])
     mods = masks.ScoreMods(*window_size, softcap, alibi_slopes is not None, sinks is not None)
+    backend = paged.select_backend("paged_decode_attention", backend, q, k_cache, split_size, config)
+    interpret = backend_lib.resolve_interpret(interpret)
+    scale = float(softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5)
+    if backend == "mosaic":  # the ragged kernel, one token per request
+        cu_query_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+        return paged._mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes, sinks,
+                             max_query_len=1, scale=scale, mods=mods, num_splits=num_splits, split_size=split_size,
+                             return_lse=return_lse, interpret=interpret, name="paged_decode_attention")
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     keys = block_tables.shape[1] * k_cache.shape[1]  # the most keys a request reads: the table, or the window
     if mods.window_left >= 0:
@@ -98,10 +112,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
                                                    split_size)
     if 0 in (q.shape[0], block_tables.shape[1], k_cache.shape[0]):  # no request, no page: no key, no kernel
         return common.no_rows(*q.shape, q.dtype, return_lse)
-    backend.require_triton("paged_decode_attention")
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    run = functools.partial(triton_decode.paged_decode_triton, scale=float(scale), num_splits=splits,
-                            split_size=split_size, interpret=backend.resolve_interpret(interpret), cfg=cfg,
+    run = functools.partial(triton_decode.paged_decode_triton, scale=scale, num_splits=splits,
+                            split_size=split_size, interpret=interpret, cfg=cfg,
                             mods=mods)
     kv_scales = tiles.kv_scale_args(scale_mode, k_scale, v_scale)
     out, lse = common.no_backward("paged_decode_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,

@@ -1,7 +1,8 @@
 """``paged_attention``: decode, verification, chunked and fresh prefill in one call over a paged cache —
 validation, split choice per launch, the jitted public function.
 
-Kernel: :mod:`pallas_attn.kernels.triton.paged`. Reference: :func:`pallas_attn.reference.paged_attention`.
+Kernels: :mod:`pallas_attn.kernels.triton.paged` and :mod:`pallas_attn.kernels.mosaic.paged` (Hopper).
+Reference: :func:`pallas_attn.reference.paged_attention`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import functools
 import jax
 from jax.experimental import pallas as pl
 
-from pallas_attn.core import backend, config as config_lib, masks, metadata, tiles, validation
+from pallas_attn.core import backend as backend_lib, config as config_lib, masks, metadata, tiles, validation
+from pallas_attn.kernels.mosaic import paged as mosaic_paged
 from pallas_attn.kernels.triton import paged as triton_paged
 from pallas_attn.ops import common
 
@@ -32,6 +34,26 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scal
     return scale_mode
 
 
+def mosaic_unsupported(q, k_cache, split_size: int | None) -> str | None:
+    """None when the Mosaic paged kernel (:mod:`pallas_attn.kernels.mosaic.paged`) takes these arguments, else the
+    reason it does not; :func:`pallas_attn.paged_decode_attention` shares the rule."""
+    reason = mosaic_paged.supported(q, k_cache)
+    if reason is None and split_size is not None and split_size % mosaic_paged.BLOCK_N:
+        reason = f"{split_size=} (a multiple of its {mosaic_paged.BLOCK_N}-key tiles)"
+    return reason
+
+
+def select_backend(function: str, backend: str | None, q, k_cache, split_size: int | None, *configs) -> str:
+    """The backend of a paged call: the Triton kernel by default while JAX ships it (the Mosaic kernel has not been
+    measured against it yet: docs/performance.md#paged-backends), the Mosaic kernel where asked or where the Pallas
+    Triton backend is gone (:func:`pallas_attn.core.backend.select_backend`). ``configs`` tune the Triton kernel: one
+    given picks it, and ``backend="mosaic"`` with one raises ``ValueError``."""
+    given = next((c for c in configs if c is not None), None)
+    return backend_lib.select_backend(backend, config=given, default=lambda: "triton",
+                                      mosaic_unsupported=lambda: mosaic_unsupported(q, k_cache, split_size),
+                                      function=function)
+
+
 @common.front(arrays=("q", "k_cache", "v_cache", "alibi_slopes", "sinks"),
               int_arrays=("block_tables", "seq_lens", "cu_query_lens"),
               statics=dict(max_query_len=validation.check_static_int, softmax_scale=validation.check_softmax_scale,
@@ -40,12 +62,14 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scal
                            return_lse=validation.check_static_bool, interpret=_OPTIONAL_BOOL),
               scalars=dict(k_scale=validation.check_kv_scale, v_scale=validation.check_kv_scale))
 @functools.partial(jax.jit, static_argnames=("max_query_len", "softmax_scale", "window_size", "softcap", "num_splits",
-                                             "split_size", "return_lse", "interpret", "config", "chunk_config"))
+                                             "split_size", "return_lse", "interpret", "config", "chunk_config",
+                                             "backend"))
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, *, max_query_len: int,
                     softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes=None, sinks=None, k_scale=None, v_scale=None, num_splits: int | None = None,
                     split_size: int | None = None, return_lse: bool = False, interpret: bool | None = None,
-                    config: config_lib.DecodeConfig | None = None, chunk_config: config_lib.DecodeConfig | None = None):
+                    config: config_lib.DecodeConfig | None = None, chunk_config: config_lib.DecodeConfig | None = None,
+                    backend: str | None = None):
     """Mixed batch of decode / verification / chunked-prefill / prefill requests over a paged K/V cache.
 
     Args:
@@ -71,6 +95,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         verification rows; a fixed ``block_q`` runs the whole batch in one launch with it.
       chunk_config: the same for prefill chunks (``q_len > 16``) of a mixed batch, which run in a second launch with
         prefill-sized tiles; default :func:`pallas_attn.core.config.default_chunk_config`.
+      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.paged` (one launch,
+        64-key tiles, TMA page copies; bf16 / fp16 caches of q's dtype, head dims 64, 128, 256, page sizes 8, 16,
+        32 or a multiple of 64, ``split_size`` a multiple of 64 — anything else raises ``ValueError`` naming it;
+        interpreted on CPU by the Mosaic GPU interpreter). None: the Triton kernel while JAX ships its backend (or a
+        config is given), else the Mosaic kernel where it applies.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``). No tokens, no request
@@ -89,6 +118,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
             validation.check_head_vector(name, x, q.shape[1])
     mods = masks.ScoreMods(*window_size, softcap, alibi_slopes is not None, sinks is not None)
     cu_query_lens = metadata.clamp_cu(cu_query_lens, q.shape[0])  # whatever it holds, requests stay disjoint
+    backend = select_backend("paged_attention", backend, q, k_cache, split_size, config, chunk_config)
+    interpret = backend_lib.resolve_interpret(interpret)
+    scale = float(softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5)
+    if backend == "mosaic":
+        return _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes, sinks,
+                       max_query_len=max_query_len, scale=scale, mods=mods, num_splits=num_splits,
+                       split_size=split_size, return_lse=return_lse, interpret=interpret)
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     chunk_cfg = chunk_config or config_lib.default_chunk_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     group_padded = config_lib.next_pow2(q.shape[1] // k_cache.shape[2])
@@ -117,12 +153,41 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
                                                        num_splits, split_size)
     if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_cache.shape[0]):
         return common.no_rows(*q.shape, q.dtype, return_lse)  # no token, request or page: no key, no kernel
-    backend.require_triton("paged_attention")
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    run = functools.partial(triton_paged.ragged_paged_triton, max_query_len=max_query_len, scale=float(scale),
-                            num_splits=splits, split_size=split_size, interpret=backend.resolve_interpret(interpret),
+    run = functools.partial(triton_paged.ragged_paged_triton, max_query_len=max_query_len, scale=scale,
+                            num_splits=splits, split_size=split_size, interpret=interpret,
                             cfg=cfg, chunk_cfg=chunk_cfg, short_splits=short_splits, mods=mods)
     kv_scales = tiles.kv_scale_args(scale_mode, k_scale, v_scale)
     out, lse = common.no_backward("paged_attention", run)(q, k_cache, v_cache, block_tables, seq_lens,
                                                           cu_query_lens, alibi_slopes, sinks, kv_scales)
+    return (out, lse) if return_lse else out
+
+
+def _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes, sinks, *, max_query_len: int,
+            scale: float, mods: masks.ScoreMods, num_splits: int | None, split_size: int | None, return_lse: bool,
+            interpret: bool, name: str = "paged_attention"):
+    """The Mosaic kernel's call, shared with :func:`pallas_attn.paged_decode_attention`: its split plan, then the
+    kernel. Short queries alone: one launch, the heuristic over its query blocks × KV heads. With prefill chunks
+    and no split given: two launches, decided apart as the Triton kernel's are (short queries like decode, tail
+    balance included; chunks only when their programs cannot fill the GPU); a split given: one plan for both."""
+    block_n = mosaic_paged.BLOCK_N
+    num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
+    keys = block_tables.shape[1] * k_cache.shape[1]  # the most keys a query block reads: the table, or the window
+    if mods.window_left >= 0:
+        keys = min(keys, mods.window_left + max_query_len + block_n)
+    block_q = mosaic_paged.query_block_tokens(max_query_len, q.shape[1] // num_kv_heads)
+    short_splits = None
+    if max_query_len > mosaic_paged.SHORT_QUERY_LEN and num_splits is None and split_size is None:
+        short_splits = config_lib.resolve_splits(num_seqs * num_kv_heads, keys, block_n, None, None)
+        splits = config_lib.choose_num_splits(pl.cdiv(q.shape[0], block_q) * num_kv_heads, keys, block_n)
+    else:
+        work_blocks = max(num_seqs, pl.cdiv(q.shape[0], block_q))
+        splits, split_size = config_lib.resolve_splits(work_blocks * num_kv_heads, keys, block_n, num_splits,
+                                                       split_size)
+    if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_cache.shape[0]):
+        return common.no_rows(*q.shape, q.dtype, return_lse)  # no token, request or page: no key, no kernel
+    run = functools.partial(mosaic_paged.paged_attention_mosaic, max_query_len=max_query_len, scale=scale,
+                            num_splits=splits, split_size=split_size, interpret=interpret, mods=mods,
+                            short_splits=short_splits)
+    out, lse = common.no_backward(name, run)(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
+                                             alibi_slopes, sinks)
     return (out, lse) if return_lse else out

@@ -1,0 +1,401 @@
+"""Ragged paged attention on the Mosaic GPU backend (Hopper: wgmma, TMA page copies, warp specialisation).
+
+The same contract as :mod:`pallas_attn.kernels.triton.paged` — decode, verification, chunked and fresh prefill
+of many requests in one launch over a paged K/V cache — for the backend JAX keeps (the Pallas Triton backend is
+deprecated since JAX 0.11). :func:`pallas_attn.paged_attention` and :func:`pallas_attn.paged_decode_attention`
+run it with ``backend="mosaic"``, and by default where the Pallas Triton backend is gone.
+
+* grid ``(query blocks, Hkv, splits)``. A query block is ``block_q`` tokens of one request × the ``group`` query
+  heads of one KV head, ``block_q · group <= 64`` rows: the M dim of both wgmmas, so each K/V tile is read once for
+  all of them (a decode step's GQA group, a verification's draft tokens). The static number of blocks bounds any
+  batch of the bucketed shapes (no host sync, no recompilation); blocks past the batch's last exit at once.
+* two warpgroups. The **memory** warpgroup reads the block table in the kernel and brings each 64-key tile of K and
+  V into a ring of shared-memory slots with TMA: one copy where a page holds the whole tile (``block_size`` a
+  multiple of 64), one per page otherwise (``block_size`` 8, 16 or 32). A page that is not the request's — past
+  its keys, wholly before its window, or an id outside the pool — is never copied (the copy is predicated off and
+  arrives with no bytes). The **compute** warpgroup runs ``S = Q Kᵀ``, the online softmax in registers (exp2, the
+  scale folded into its FMA) and ``O += P V``, and releases each slot to the memory warpgroup.
+* isolation (docs/design.md#isolation-whatever-the-inputs): a tile with a key the rows may not read — past the
+  request's length, before its window, on a page not copied — masks those scores and zeroes those rows of V in
+  shared memory before ``P V`` (``0 · NaN`` is NaN: a neighbour's NaN or a stale slot must meet zeros). Tiles
+  wholly inside the request's keys, the common case, carry no such code.
+* the tile plan is the Triton kernels' (:func:`pallas_attn.core.tiles.paged_tile_plan`): tiles before a window
+  are never loaded, the causal and window edges are masked, the rest run unmasked; split-KV shares the tiles out
+  by count or by a fixed ``split_size`` (batch invariant). Soft-cap, ALiBi and sinks are applied in registers;
+  sinks join the denominator where a program sees its rows' whole context, else the split merge applies them.
+* outputs go out as whole tiles, ``[splits, blocks, Hkv, rows, D]`` in q's dtype (split partials too, as the
+  Mosaic MLA kernel's: the merge adds their rounding, ~2^-9 relative in bf16) and an LSE ``[splits, blocks, Hkv,
+  rows]``, one TMA store each; the wrapper gathers the token rows (padding rows: 0 and -inf) and merges split
+  partials with :func:`pallas_attn.core.softmax.merge_split_outputs`.
+
+Head dims 64, 128 and 256, bf16 / fp16 caches of q's dtype, page sizes 8, 16, 32 or a multiple of 64, groups up
+to 64 (:func:`supported`); the Triton kernel takes the rest (FP8 caches included).
+
+Interpret mode (CPU): the Mosaic GPU interpreter runs this kernel with the same two limits as the Mosaic prefill's
+(:mod:`pallas_attn.kernels.mosaic.prefill`): P reaches wgmma through shared memory, and each ``P V`` is a fresh
+accumulator added to the rescaled one. Reference: :func:`pallas_attn.reference.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
+
+BLOCK_M = 64  # rows of a query block (tokens × group): one wgmma M tile
+BLOCK_N = 64  # keys per K/V slot
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (8, 16, 32)  # pages smaller than a tile (a copy each, rows in whole 8-row groups); or multiples of 64
+SWIZZLE = 128  # bytes: a 64-wide bf16 column tile per 8-row group, the wgmma operand layout
+TILE_COLS = 64  # 16-bit columns of one swizzle tile
+ROW_ALIGN = 8  # rows of the tiled shared-memory layout: output tiles are stored in whole 8-row groups
+FEATURE_ROWS = 2  # ALiBi slopes and sinks, one 64-row vector each per KV head
+SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks (a launch of their own)
+
+
+def supported(q, k_cache) -> str | None:
+    """None when the Mosaic paged kernel applies to these inputs, else the reason it does not."""
+    head_dim = q.shape[-1]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {q.dtype} (bf16 / fp16 only)"
+    if k_cache.dtype != q.dtype:
+        return f"a {k_cache.dtype} cache (the cache in q's dtype only; FP8 caches run on the Triton kernel)"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})"
+    if block_size not in PAGE_SIZES and block_size % BLOCK_N:
+        return f"block_size={block_size} (supported: {', '.join(map(str, PAGE_SIZES))} or a multiple of {BLOCK_N})"
+    if q.shape[1] // num_kv_heads > BLOCK_M:
+        return f"{q.shape[1] // num_kv_heads} query heads per KV head (at most {BLOCK_M})"
+    return None
+
+
+def num_slots(head_dim: int) -> int:
+    """K/V tiles in flight: four up to head dim 128 (128 KB of shared memory), two at 256."""
+    return 4 if head_dim <= 128 else 2
+
+
+def query_block_tokens(max_query_len: int, group: int) -> int:
+    """Tokens per query block: as many as fit 64 rows with the group, no more than a request can have."""
+    return max(1, min(BLOCK_M // group, config_lib.next_pow2(max(1, max_query_len))))
+
+
+def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """A static bound on the query blocks of any batch: Σ_b cdiv(q_len_b, block_q) <= (T + S·(block_q - 1)) /
+    block_q, since Σ_b q_len_b <= T (``cu_query_lens`` is clamped: :func:`pallas_attn.core.metadata.clamp_cu`)."""
+    return max(1, (num_tokens + num_seqs * (block_q - 1)) // block_q)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# ---------------------------------------------------------------------------------------------- kernel body
+def _tile_pages(table_ref, table_base, j, seq_len, key_lo, *, block_size: int, max_blocks: int, num_pages: int):
+    """The pages of key tile ``j`` of a request: ``[(page, first row in the page, rows, copy it)]``, one entry
+    (``block_size`` a multiple of 64) or ``64 / block_size``. A page is copied when it holds keys in
+    ``[key_lo, seq_len)`` and its id is in the pool; ``page`` is then a valid id (else 0: never read)."""
+    pages = []
+    per_tile = max(1, BLOCK_N // block_size)
+    rows = min(block_size, BLOCK_N)
+    for i in range(per_tile):
+        first_key = j * BLOCK_N + i * rows
+        logical = first_key // block_size
+        holds = (first_key < seq_len) & (first_key + rows > key_lo)
+        page = table_ref[table_base + jnp.where(holds, jnp.minimum(logical, max_blocks - 1), 0)]
+        ok = holds & (page >= 0) & (page < num_pages)
+        pages.append((jnp.where(ok, page, 0), first_key % block_size if block_size > BLOCK_N else 0, rows, ok))
+    return pages
+
+
+def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref,
+            *refs, group: int, block_q: int, rows_pad: int, max_blocks: int, block_size: int, slots: int,
+            num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, compiled: bool):
+    # refs: [features f32[Hkv, FEATURE_ROWS, 64]] (ALiBi slopes / sinks by row), o, lse, the scratch
+    refs = list(refs)
+    feat_ref = refs.pop(0) if (mods.alibi or mods.sinks) else None
+    o_ref, lse_ref, scoped = refs
+    (q_smem, stage, k_smem, v_smem, lse_smem, feat_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
+    p, kv_head, split = lax.axis_index("block"), lax.axis_index("heads"), lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    dtype = q_ref.dtype
+    head_dim = q_ref.shape[-1]
+    num_pages = k_ref.shape[0]
+
+    req = block_req_ref[p]
+    live = req >= 0
+    b = jnp.maximum(req, 0)
+    first = block_first_ref[p]
+    q_start, q_len, seq_len, context, _ = tiles.query_block_frame(cu_query_lens_ref, seq_lens_ref, b, first, 0,
+                                                                  max_blocks * block_size)
+    q_first = context + first
+    q_last = context + jnp.minimum(first + block_q, q_len) - 1
+    tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
+        q_first, q_last, seq_len, BLOCK_N, split, num_splits, split_size, mods, guarded=False)
+    key_lo = jnp.int32(0) if kv_first is None else kv_first  # the block's first readable key
+    pages = functools.partial(_tile_pages, table_ref, b * max_blocks, seq_len=seq_len, key_lo=key_lo,
+                              block_size=block_size, max_blocks=max_blocks, num_pages=num_pages)
+
+    def slot_of(j):
+        return lax.rem(j - tile_start, jnp.int32(slots))
+
+    @pl.when(live & (wg == 0))
+    def _compute():
+        if feat_ref is not None:
+            plgpu.copy_gmem_to_smem(feat_ref.at[kv_head], feat_smem, q_bar)
+        # the block's tokens × group rows, a copy per token (one for decode); rows past the request's tokens are
+        # left as they are: garbage rows, their scores their own, never stored
+        for i in range(block_q):
+            tok = first + i
+            pl.when(tok < q_len)(functools.partial(plgpu.copy_gmem_to_smem, q_ref.at[q_start + tok, kv_head],
+                                                   stage.at[pl.ds(i * group, group)], q_bar))
+            pl.when(tok >= q_len)(functools.partial(plgpu.barrier_arrive, q_bar))
+        plgpu.barrier_wait(q_bar)
+        # into the swizzled wgmma layout. Unoptimized: Mosaic GPU's layout search plans an optimized load of an
+        # untiled [64, 256] buffer for minutes (jax 0.11.2); one load per kernel, its speed does not matter
+        q_smem[...] = plgpu.load(stage, layout=plgpu.Layout.WGMMA, optimized=False)
+        plgpu.commit_smem()
+
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout)
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_M,), 0.0, jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.full((BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def iota(shape, dim):
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+        exp_scale = (mods.softcap if mods.softcap > 0 else scale) * softmax.LOG2E
+        slope = None
+        if mods.alibi:  # in the units of the scores the exponential's FMA scales (see the Mosaic prefill)
+            slope = plgpu.load(feat_smem.at[0], layout=row_layout) * (softmax.LOG2E / exp_scale)
+
+        def key_ok(j, pos, tile_pages):
+            """bool (of ``pos``'s shape): the key at absolute position ``pos`` of tile ``j`` may be read."""
+            ok = (pos >= key_lo) & (pos < seq_len)
+            if len(tile_pages) == 1:
+                return ok & tile_pages[0][3]
+            page_ok = functools.reduce(lambda acc, i: acc | jnp.where(tile_pages[i][3], 1 << i, 0),
+                                       range(len(tile_pages)), jnp.int32(0))
+            page = lax.shift_right_logical(pos - j * BLOCK_N, jnp.int32(block_size.bit_length() - 1))
+            return ok & ((lax.shift_right_logical(page_ok, page) & 1) == 1)
+
+        def step(j, state, masked: bool):
+            acc, m_i, l_i = state
+            slot = slot_of(j)
+            refilled = j + slots < kv_end
+            tile_pages = pages(j)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, BLOCK_N), jnp.float32))
+            pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+            k_pos = iota(s.shape, 1) + j * BLOCK_N
+            q_pos = q_first + lax.div(iota(s.shape, 0), jnp.int32(group))
+            if mods.softcap > 0:  # tanh.approx.f32 (approx_math)
+                s = jnp.tanh(s * (scale / mods.softcap))
+            if mods.alibi:
+                s = s + lax.broadcast_in_dim(slope, s.shape, [0]) * (k_pos - q_pos).astype(jnp.float32)
+            if masked:  # causal, window and length edges, pages not copied
+                visible = key_ok(j, k_pos, tile_pages) & (k_pos <= q_pos)
+                if mods.window_left >= 0:
+                    visible &= k_pos >= q_pos - mods.window_left
+                if mods.window_right >= 0:
+                    visible &= k_pos <= q_pos + mods.window_right
+                s = jnp.where(visible, s, -jnp.inf)
+            else:  # every key is the request's and every row sees it; a page id outside the pool is still masked
+                s = jnp.where(key_ok(j, k_pos, tile_pages), s, -jnp.inf)
+            m_i, alpha, p16, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, 1, scale=exp_scale)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bar.at[slot])
+            v_slot = v_smem.at[slot]
+            whole = (j * BLOCK_N >= key_lo) & ((j + 1) * BLOCK_N <= seq_len)
+            whole = functools.reduce(lambda w, page: w & page[3], tile_pages, whole)
+
+            @pl.when(jnp.logical_not(whole))
+            def _zero_unread_values():  # rows of V the scores masked may hold anything: 0 · NaN is NaN
+                v = plgpu.load(v_slot, layout=plgpu.Layout.WGMMA)
+                v_slot[...] = jnp.where(key_ok(j, iota(v.shape, 0) + j * BLOCK_N, tile_pages), v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+
+            if compiled:  # wgmma into the scaled accumulator itself
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_slot)
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:  # the interpreter: A from shared memory, a fresh accumulator
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def pv_fresh(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_slot)
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
+            pl.when(refilled)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
+            return acc, m_i, l_i
+
+        state = softmax.kv_loop((acc, m_i, l_i), tile_start, full_end, kv_end, step, full_start)
+        sink2 = None
+        if mods.sinks and num_splits == 1:  # split partials leave the sink to their merge
+            sink2 = plgpu.load(feat_smem.at[1], layout=row_layout) * softmax.LOG2E
+        out, lse = softmax.finalize(state, sink2)
+        q_smem[...] = out.astype(dtype)  # Q's last reader, the last Q Kᵀ, has completed
+        lse_smem[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, rows_pad)], o_ref.at[split, p, kv_head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_pad)], lse_ref.at[split, p, kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(live & (wg == 1))
+    def _memory():
+        def load(j, slot, k_ready=lambda: None, v_ready=lambda: None):
+            tile_pages = pages(j)
+            for cache, smem, bar, ready in ((k_ref, k_smem, k_bar, k_ready), (v_ref, v_smem, v_bar, v_ready)):
+                ready()
+                for i, (page, offset, n, ok) in enumerate(tile_pages):
+                    # a page not copied still arrives, with no bytes (a predicated copy, which the interpreter lacks)
+                    pl.when(ok)(functools.partial(plgpu.copy_gmem_to_smem, cache.at[page, pl.ds(offset, n), kv_head],
+                                                  smem.at[slot, pl.ds(i * n, n)], bar.at[slot]))
+                    pl.when(jnp.logical_not(ok))(functools.partial(plgpu.barrier_arrive, bar.at[slot]))
+
+        for i in range(slots):
+            pl.when(tile_start + i < kv_end)(functools.partial(load, tile_start + i, i))
+
+        @pl.loop(tile_start, jnp.maximum(kv_end - slots, tile_start))
+        def _refill(j):
+            slot = slot_of(j)
+            load(j + slots, slot, k_ready=lambda: plgpu.barrier_wait(k_free.at[slot]),
+                 v_ready=lambda: plgpu.barrier_wait(v_free.at[slot]))
+
+
+# -------------------------------------------------------------------------------------------- pallas_call
+def _token_rows(cu_query_lens, cu_blocks, num_tokens: int, num_kv_heads: int, group: int, block_q: int,
+                rows_pad: int):
+    """``(rows i32[T, Hq], owned bool[T])``: where token ``t``, head ``h`` sits in the flattened
+    ``[blocks · Hkv · rows_pad]`` output tiles, and whether a request owns token ``t`` (else a padding row)."""
+    req = metadata.token_requests(cu_query_lens, num_tokens)
+    b = jnp.maximum(req, 0)
+    local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_query_lens[b]
+    block = cu_blocks[b] + local // block_q
+    heads = jnp.arange(num_kv_heads * group, dtype=jnp.int32)
+    kv_head, g = heads // group, heads % group
+    rows = ((block[:, None] * num_kv_heads + kv_head[None, :]) * rows_pad
+            + (local % block_q)[:, None] * group + g[None, :])
+    return jnp.where((req >= 0)[:, None], rows, 0), req >= 0
+
+
+def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes=None, sinks=None,
+                           *, max_query_len: int, scale: float, num_splits: int, split_size: int | None,
+                           interpret: bool, mods: masks.ScoreMods = masks.NO_MODS,
+                           short_splits: tuple[int, int | None] | None = None):
+    """``(out [T, Hq, D], lse f32[T, Hq])``; arguments validated by :func:`pallas_attn.paged_attention` and
+    :func:`supported`, ``cu_query_lens`` clamped (:func:`pallas_attn.core.metadata.clamp_cu`). ``split_size`` a
+    multiple of 64 or None; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says.
+
+    ``short_splits = (num_splits, split_size)``: a batch with prefill chunks (``max_query_len > 16``) runs as two
+    launches, the short queries (decode, verification) split by ``short_splits`` and the chunks by ``num_splits``
+    / ``split_size``, each request's rows taken from its own launch: decodes beside chunks still split their long
+    contexts (as :func:`pallas_attn.kernels.triton.paged.launch_splits` decides for the Triton kernel). None: one
+    launch, one split plan."""
+    reason = supported(q, k_cache)
+    if reason is not None:
+        raise ValueError(f"the Mosaic paged kernel does not support {reason}")
+    for size in (split_size, short_splits[1] if short_splits else None):
+        if size is not None and size % BLOCK_N:
+            raise ValueError(f"split_size={size} must be a multiple of the Mosaic paged kernel's {BLOCK_N}-key tiles")
+    features = []
+    if mods.alibi or mods.sinks:  # per KV head, the 64 tile rows' slopes and sinks (row r: head r % group)
+        num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+        group = num_q_heads // num_kv_heads
+        heads = jnp.arange(num_kv_heads)[:, None] * group + jnp.arange(BLOCK_M)[None, :] % group
+        vectors = [x.astype(jnp.float32) if x is not None else jnp.zeros((num_q_heads,), jnp.float32)
+                   for x in (alibi_slopes, sinks)]
+        features = [jnp.stack([v[heads] for v in vectors], axis=1)]  # [Hkv, FEATURE_ROWS, 64]
+    launch = functools.partial(_launch, q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, features, sinks,
+                               scale=scale, interpret=interpret, mods=mods)
+    if short_splits is None or max_query_len <= SHORT_QUERY_LEN:
+        return launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size)
+    short = launch(max_query_len=SHORT_QUERY_LEN, num_splits=short_splits[0], split_size=short_splits[1],
+                   query_class="short")
+    long = launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size, query_class="long")
+    q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
+    req = metadata.token_requests(cu_query_lens, q.shape[0])
+    is_short = (q_lens[jnp.maximum(req, 0)] <= SHORT_QUERY_LEN)[:, None]
+    return jnp.where(is_short[..., None], short[0], long[0]), jnp.where(is_short, short[1], long[1])
+
+
+def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, features, sinks, *, max_query_len: int,
+            scale: float, num_splits: int, split_size: int | None, interpret: bool, mods: masks.ScoreMods,
+            query_class: str | None = None):
+    """One launch over the query blocks of the requests of ``query_class`` ("short": ``q_len <= 16``, "long": the
+    others, None: all), its output tiles gathered into ``(out [T, Hq, D], lse f32[T, Hq])``: rows of other
+    requests and padding rows 0 and -inf."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    block_q = query_block_tokens(max_query_len, group)
+    rows_pad = _round_up(block_q * group, ROW_ALIGN)
+    q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
+    if query_class is None:
+        counts, num_blocks = q_lens, num_query_blocks(num_tokens, num_seqs, block_q)
+    else:
+        short = q_lens <= SHORT_QUERY_LEN
+        counts = jnp.where(short if query_class == "short" else ~short, q_lens, 0)
+        num_blocks = (num_seqs * pl.cdiv(SHORT_QUERY_LEN, block_q) if query_class == "short"
+                      else num_query_blocks(num_tokens, num_seqs, block_q))
+    block_req, block_first, cu_blocks = metadata.segment_items((counts + block_q - 1) // block_q, num_blocks)
+    block_first = block_first * block_q
+    slots = num_slots(head_dim)
+
+    tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
+    scratch = (
+        (plgpu.SMEM((BLOCK_M, head_dim), q.dtype, **tiled),  # Q, then the output tile
+         plgpu.SMEM((BLOCK_M, head_dim), q.dtype),  # Q as it lands, untiled: tokens × group rows
+         plgpu.SMEM((slots, BLOCK_N, head_dim), k_cache.dtype, **tiled),
+         plgpu.SMEM((slots, BLOCK_N, head_dim), v_cache.dtype, **tiled),
+         plgpu.SMEM((BLOCK_M,), jnp.float32),
+         plgpu.SMEM((FEATURE_ROWS, BLOCK_M), jnp.float32) if features else None,
+         plgpu.SMEM((BLOCK_M, BLOCK_N), q.dtype, **tiled) if interpret else None),  # P (interpreter)
+        (plgpu.Barrier(num_arrivals=block_q + len(features)),
+         *[plgpu.Barrier(num_arrivals=max(1, BLOCK_N // block_size), num_barriers=slots)] * 2),
+        (plgpu.Barrier(num_barriers=slots),) * 2,
+    )
+    body = functools.partial(
+        _kernel, group=group, block_q=block_q, rows_pad=rows_pad, max_blocks=max_blocks, block_size=block_size,
+        slots=slots, num_splits=num_splits, split_size=split_size, scale=scale, mods=mods, compiled=not interpret)
+
+    def paged_kernel(*refs):
+        pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
+
+    interpret_params = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret_params = InterpretGPUParams()
+    o_tiles, lse_tiles = plgpu.kernel(
+        paged_kernel,
+        out_type=[jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, rows_pad, head_dim), q.dtype),
+                  jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, rows_pad), jnp.float32)],
+        grid=(num_blocks, num_kv_heads, num_splits), grid_names=("block", "heads", "split"),
+        num_threads=2, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=interpret_params,
+    )(block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1),
+      q.reshape(num_tokens, num_kv_heads, group, head_dim), k_cache, v_cache, *features)
+
+    rows, owned = _token_rows(cu_query_lens, cu_blocks, num_tokens, num_kv_heads, group, block_q, rows_pad)
+    out_dtype = q.dtype if num_splits == 1 else jnp.float32  # partials merge in float32
+    out = o_tiles.reshape(num_splits, -1, head_dim)[:, rows].astype(out_dtype)
+    lse = lse_tiles.reshape(num_splits, -1)[:, rows]
+    out = jnp.where(owned[None, :, None, None], out, jnp.zeros((), out_dtype))
+    lse = jnp.where(owned[None, :, None], lse, -jnp.inf)
+    return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype, sinks if num_splits > 1 else None)

@@ -1,0 +1,219 @@
+"""paged_attention / paged_decode_attention(backend="mosaic"): the Hopper kernel against the reference.
+
+On CPU the Mosaic GPU interpreter runs it (2-6 s a case; fresh shared memory starts as NaN there, so a stale slot,
+an uncopied page or an unwritten row fails). Every slot no request owns holds NaN (or a huge value), q's padding
+rows NaN. Each case has a hard time limit: an interpreted deadlock fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_attn import DecodeConfig, paged_attention, paged_decode_attention, reference
+from pallas_attn.kernels.mosaic import paged as mosaic_paged
+from pallas_attn.testing import assert_attention_close, make_paged_kv
+
+BF16 = jnp.bfloat16
+MOSAIC = dict(backend="mosaic")
+pytestmark = pytest.mark.timeout(300, method="thread")
+
+# name: (query_lens, seq_lens, block_size, num_q_heads, num_kv_heads, head_dim, kwargs). Key tiles are 64 keys:
+# lengths 63/64/65 and 127/129 sit on their edges; pages of 8/16/32 are several copies a tile, 64/128 one.
+SCENARIOS = {
+    "decode_gqa4_bs16_edges": ([1, 1, 1, 1, 1], [1, 63, 64, 65, 129], 16, 8, 2, 64, {}),
+    "mixed_gqa4_bs8": ([3, 1, 6, 0, 17], [3, 5, 136, 9, 77], 8, 8, 2, 64, {}),
+    "chunk_gqa3_bs32_d128": ([2, 70, 1], [66, 73, 200], 32, 6, 2, 128, {}),
+    "decode_mha_bs128_splits": ([1, 1, 1], [300, 33, 0], 128, 4, 4, 128, dict(num_splits=3)),
+    "verify_mqa_bs64_split_size_sinks": ([5, 1], [300, 100], 64, 4, 1, 64, dict(split_size=128, sinks=True)),
+    "window_gqa2_bs16": ([1, 4, 9], [10, 200, 150], 16, 4, 2, 64, dict(window_size=(40, -1))),
+    "softcap_alibi_sinks": ([1, 4, 2], [10, 200, 65], 16, 4, 2, 64, dict(softcap=30.0, alibi=True, sinks=True)),
+    "d256_mqa_fp16": ([8, 1], [60, 70], 16, 2, 1, 256, dict(dtype=jnp.float16)),
+    "window_right_sinks_split": ([1, 3], [70, 140], 16, 4, 2, 64,
+                                 dict(num_splits=2, window_size=(20, 0), sinks=True)),
+    "gqa16_verify": ([4, 2], [90, 4], 16, 16, 1, 64, dict(window_size=(30, -1))),
+    # a chunk beside decodes over long contexts: two launches, the decodes split on their own, the chunk unsplit
+    "two_launches_short_split": ([1, 40, 1], [2100, 100, 1500], 64, 4, 2, 64, dict(sinks=True)),
+}
+
+
+def _inputs(rng, q_lens, seq_lens, bs, hq, hkv, d, dtype, poison=float("nan"), pad=3):
+    kc, vc, bt = make_paged_kv(rng, seq_lens, bs, hkv, d, dtype, poison=poison)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = np.full((cu[-1] + pad, hq, d), np.nan, np.float32)
+    q[: cu[-1]] = rng.standard_normal((cu[-1], hq, d))
+    return jnp.asarray(q, dtype), kc, vc, bt, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(cu)
+
+
+def _features(rng, hq, kw):
+    kw = dict(kw)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = jnp.asarray(rng.uniform(0.02, 0.5, hq), jnp.float32)
+    if kw.pop("sinks", False):
+        kw["sinks"] = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+    return kw
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_matches_reference(name, rng):
+    q_lens, seq_lens, bs, hq, hkv, d, kw = SCENARIOS[name]
+    kw = dict(kw)
+    dtype = kw.pop("dtype", BF16)
+    args = _inputs(rng, q_lens, seq_lens, bs, hq, hkv, d, dtype)
+    kw = _features(rng, hq, kw)
+    out, lse = paged_attention(*args, max_query_len=max(q_lens), return_lse=True, **kw, **MOSAIC)
+    for split in ("num_splits", "split_size"):
+        kw.pop(split, None)
+    ref_out, ref_lse = reference.paged_attention(*args, return_lse=True, **kw)
+    n = int(sum(q_lens))
+    assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
+    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(out, np.float32)[n:] == 0) and np.all(np.asarray(lse)[n:] == -np.inf)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(num_splits=2, window_size=(50, -1), sinks=True)])
+def test_decode_matches_reference(kw, rng):
+    lens = [0, 1, 63, 64, 65, 200]
+    kc, vc, bt = make_paged_kv(rng, lens, 16, 2, 128, BF16)
+    q = jnp.asarray(rng.standard_normal((len(lens), 8, 128)), BF16)
+    sl = jnp.asarray(lens, jnp.int32)
+    kw = _features(rng, 8, kw)
+    out, lse = paged_decode_attention(q, kc, vc, bt, sl, return_lse=True, **kw, **MOSAIC)
+    kw.pop("num_splits", None)
+    ref_out, ref_lse = reference.paged_decode_attention(q, kc, vc, bt, sl, return_lse=True, **kw)
+    assert_attention_close(out, ref_out, dtype=BF16)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(out, np.float32)[0] == 0)  # no key: 0, LSE -inf
+
+
+@pytest.mark.parametrize("poison", [1e30, -1e30])
+def test_isolation_under_poison(poison, rng):
+    """Huge finite values in every slot no request owns: a score or value of one would swamp the softmax."""
+    q_lens, seq_lens = [1, 6, 20], [40, 70, 100]
+    args = _inputs(rng, q_lens, seq_lens, 16, 4, 2, 64, BF16, poison=poison)
+    out = paged_attention(*args, max_query_len=20, **MOSAIC)
+    assert_attention_close(out, reference.paged_attention(*args), dtype=BF16, valid_rows=27)
+
+
+# (name, corrupt(seq_lens, block_tables, num_blocks)); request 1 is the corrupted one
+CORRUPT = [
+    ("length_past_capacity", lambda s, t, n: (s.at[1].set(10_000), t)),
+    ("length_negative", lambda s, t, n: (s.at[1].set(-7), t)),
+    ("page_past_pool", lambda s, t, n: (s, t.at[1, 1].set(n + 3))),
+    ("every_page_bad", lambda s, t, n: (s, t.at[1].set(-1))),
+]
+
+
+@pytest.mark.parametrize("name, corrupt", CORRUPT, ids=[c[0] for c in CORRUPT])
+def test_corrupt_request_stays_alone(name, corrupt, rng):
+    """A request's broken length or table changes its own rows only (bit-identical others, no NaN anywhere it owns
+    nothing), and what it computes is the reference's rule (docs/design.md#isolation-whatever-the-inputs)."""
+    q_lens, seq_lens = [1, 6, 9, 1], [13, 70, 9, 21]
+    kc, vc, bt = make_paged_kv(rng, seq_lens, 8, 2, 64, BF16, max_blocks=10, table_padding="neg")
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((20, 4, 64)), BF16)
+    sl = jnp.asarray(seq_lens, jnp.int32)
+    clean = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=9, **MOSAIC)
+    sl_bad, bt_bad = corrupt(sl, bt, kc.shape[0])
+    out = paged_attention(q, kc, vc, bt_bad, sl_bad, cu, max_query_len=9, **MOSAIC)
+    others = np.r_[0:1, 7:20]
+    out_np, clean_np = np.asarray(out, np.float32), np.asarray(clean, np.float32)
+    assert not np.isnan(out_np[others]).any()
+    np.testing.assert_array_equal(out_np[others], clean_np[others])
+    ref = np.asarray(reference.paged_attention(q, kc, vc, bt_bad, sl_bad, cu), np.float32)
+    np.testing.assert_allclose(out_np[1:7], ref[1:7], rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+def test_batch_invariance_fixed_split_size(rng):
+    """With ``split_size`` a request's output is bit-identical alone and in a batch that splits differently."""
+    lens = [300, 5, 129]
+    kc, vc, bt = make_paged_kv(rng, lens, 16, 2, 64, BF16)
+    q = jnp.asarray(rng.standard_normal((3, 4, 64)), BF16)
+    sl = jnp.asarray(lens, jnp.int32)
+    batch = paged_decode_attention(q, kc, vc, bt, sl, split_size=128, **MOSAIC)
+    alone = paged_decode_attention(q[:1], kc, vc, bt[:1], sl[:1], split_size=128, **MOSAIC)
+    np.testing.assert_array_equal(np.asarray(batch[:1], np.float32), np.asarray(alone, np.float32))
+
+
+def test_two_launch_split_plan():
+    """With a chunk in the batch each launch decides its splits: decodes over long contexts split, a chunk of
+    thousands of rows fills the GPU alone."""
+    from pallas_attn.core import config
+    from pallas_attn.ops import paged as paged_op
+
+    seen = {}
+
+    def fake(*args, **kw):
+        seen.update(kw)
+        return jnp.zeros(args[0].shape, args[0].dtype), jnp.zeros(args[0].shape[:2], jnp.float32)
+
+    q = jnp.zeros((8192 + 3, 32, 128), BF16)
+    cache = jnp.zeros((3 * 1024, 16, 8, 128), BF16)
+    tables, lens = jnp.zeros((4, 1024), jnp.int32), jnp.full((4,), 16384, jnp.int32)
+    cu = jnp.asarray([0, 1, 2, 3, 8195], jnp.int32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mosaic_paged, "paged_attention_mosaic", fake)
+        paged_op._mosaic(q, cache, cache, tables, lens, cu, None, None, max_query_len=8192, scale=1.0,
+                         mods=paged_op.masks.NO_MODS, num_splits=None, split_size=None, return_lse=False,
+                         interpret=True)
+    short = config.resolve_splits(4 * 8, 16384, 64, None, None)
+    assert seen["short_splits"] == short and short[0] > 1
+    assert seen["num_splits"] == 1
+
+
+def test_decode_is_paged_attention_with_one_token(rng):
+    """``paged_decode_attention`` and ``paged_attention`` with one token a request run the same kernel."""
+    lens = [17, 90]
+    kc, vc, bt = make_paged_kv(rng, lens, 32, 1, 64, BF16)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), BF16)
+    sl = jnp.asarray(lens, jnp.int32)
+    a = paged_decode_attention(q, kc, vc, bt, sl, **MOSAIC)
+    b = paged_attention(q, kc, vc, bt, sl, jnp.arange(3, dtype=jnp.int32), max_query_len=1, **MOSAIC)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(dtype=jnp.float32), r"backend='mosaic' does not support dtype float32"),
+    (dict(head_dim=96), r"head_dim=96"),
+    (dict(block_size=4), r"block_size=4"),
+    (dict(block_size=48), r"block_size=48"),
+    (dict(split_size=32), r"split_size=32"),
+    (dict(config=DecodeConfig(block_n=16)), r"config= tunes the Triton kernel"),
+    (dict(fp8=True), r"float8_e4m3fn cache"),
+])
+def test_unsupported_raises(change, match, rng):
+    dtype, d, bs = change.get("dtype", BF16), change.get("head_dim", 64), change.get("block_size", 16)
+    kc, vc, bt = make_paged_kv(rng, [20, 5], bs, 2, d, dtype)
+    q = jnp.asarray(rng.standard_normal((2, 4, d)), dtype)
+    kw = {k: v for k, v in change.items() if k in ("split_size", "config")}
+    if change.get("fp8"):
+        kc, vc = kc.astype(jnp.float8_e4m3fn), vc.astype(jnp.float8_e4m3fn)
+        kw.update(k_scale=1.0, v_scale=1.0)
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention(q, kc, vc, bt, jnp.array([20, 5], jnp.int32), **kw, **MOSAIC)
+
+
+def test_query_blocks_bound_every_batch():
+    """The static block count covers the worst batch: every request one token past a block boundary."""
+    for group, max_q in ((1, 1), (4, 8), (8, 5), (3, 30)):
+        bq = mosaic_paged.query_block_tokens(max_q, group)
+        assert bq * group <= mosaic_paged.BLOCK_M
+        for num_seqs in (1, 5, 17):
+            q_len = min(max_q, bq + 1)
+            tokens = num_seqs * q_len
+            need = num_seqs * -(-q_len // bq)
+            assert mosaic_paged.num_query_blocks(tokens, num_seqs, bq) >= need
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs, hq, hkv, d", [(16, 32, 8, 128), (64, 8, 1, 128), (16, 16, 8, 256), (32, 64, 8, 64)])
+def test_long_mixed_compiled(bs, hq, hkv, d, rng):
+    """Model shapes at serving lengths, compiled: Llama-3.1-8B, a TP-8 shard of Llama-3.1-70B, Gemma-3, gpt-oss;
+    decodes, verifications and a chunk over contexts of thousands of keys, split and unsplit."""
+    q_lens, seq_lens = [1, 6, 1, 300, 1], [4097, 2000, 63, 5000, 1]
+    args = _inputs(rng, q_lens, seq_lens, bs, hq, hkv, d, BF16)
+    ref = reference.paged_attention(*args)
+    for kw in ({}, dict(num_splits=4), dict(split_size=1024)):
+        out = paged_attention(*args, max_query_len=300, **kw, **MOSAIC)
+        assert_attention_close(out, ref, dtype=BF16, valid_rows=sum(q_lens))
