@@ -19,8 +19,9 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
   pallas_attn/paged      a decode workload run through the ragged ``paged_attention`` (q_len = 1 each)
   pallas_attn/parts      a mixed ragged batch run as separate calls, one per request group (decodes through
                          ``paged_decode_attention``, the others through ``paged_attention``)
-  pallas_attn/mosaic     varlen prefill with ``backend="mosaic"`` (the Hopper kernel; GPU only); in a training step
-                         the forward's backend (the backward is Triton's either way)
+  pallas_attn/mosaic     ``backend="mosaic"``, the Hopper kernels (GPU only): varlen prefill (in a training step the
+                         forward's backend; the backward is Triton's either way), paged decode and ragged batches
+                         whose cache the Mosaic paged kernel takes (q's dtype, head dim 64 / 128 / 256)
   pallas_attn/triton     varlen prefill / training step / sparse MLA with ``backend="triton"`` (the default picks
                          per GPU and shape)
   pallas_attn/<NAME>     a ``--variant NAME:key=value,...`` of the command line (:mod:`benchmarks.variants`)
@@ -324,10 +325,15 @@ def _prepare_ours(batches: list[Batch], options: Options, **extra) -> Prepared:
     return PREPARE_BY_KIND[batches[0].spec.kind](batches, options, **extra)
 
 
-def _on_gpu_prefill(spec: Spec) -> bool:
-    """The Mosaic GPU prefill: compiled on a GPU only (its interpreter takes seconds for a few dozen tokens)."""
+def _on_gpu_mosaic(spec: Spec) -> bool:
+    """The Mosaic GPU kernels of varlen prefill and the paged functions: compiled on a GPU only (their interpreter
+    takes seconds for a few dozen tokens); the paged one where it takes the cache (no FP8, its head dims and page
+    sizes: other shapes raise, which an error row would only repeat)."""
     from pallas_attn.core import backend
-    return spec.kind in PACKED_KINDS and backend.on_gpu()
+    from pallas_attn.kernels.mosaic import paged as mosaic_paged
+    paged = (spec.kind in ("decode", "ragged") and not spec.kv_dtype and spec.head_dim in mosaic_paged.HEAD_DIMS
+             and (spec.block_size in mosaic_paged.PAGE_SIZES or spec.block_size % mosaic_paged.BLOCK_N == 0))
+    return (spec.kind in PACKED_KINDS or paged) and backend.on_gpu()
 
 
 def _is_mixed(spec: Spec) -> bool:
@@ -350,7 +356,7 @@ OUR_IMPLS: list[Impl] = [
     Impl(f"{OURS}/paged", lambda s: s.kind == "decode" and not s.family, _prepare_decode_as_ragged, anchor=False,
          features=takes("paged_attention")),
     Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False, features=_parts_features),
-    Impl(f"{OURS}/mosaic", _on_gpu_prefill, lambda b, o: _prepare_ours(b, o, backend="mosaic"), anchor=False,
+    Impl(f"{OURS}/mosaic", _on_gpu_mosaic, lambda b, o: _prepare_ours(b, o, backend="mosaic"), anchor=False,
          features=takes_for_kind),
     Impl(f"{OURS}/triton", lambda s: s.kind in (*PACKED_KINDS, "sparse"),
          lambda b, o: _prepare_ours(b, o, backend="triton"), anchor=False, features=takes_for_kind),
