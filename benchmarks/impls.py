@@ -21,7 +21,8 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
                          ``paged_decode_attention``, the others through ``paged_attention``)
   pallas_attn/mosaic     ``backend="mosaic"``, the Hopper kernels (GPU only): varlen prefill (in a training step the
                          forward's backend; the backward is Triton's either way), paged decode and ragged batches
-                         whose cache the Mosaic paged kernel takes (q's dtype, head dim 64 / 128 / 256)
+                         whose cache the Mosaic paged kernel takes (q's dtype or FP8 per tensor, head dim 64 /
+                         128 / 256)
   pallas_attn/triton     varlen prefill / training step / sparse MLA with ``backend="triton"`` (the default picks
                          per GPU and shape)
   pallas_attn/<NAME>     a ``--variant NAME:key=value,...`` of the command line (:mod:`benchmarks.variants`)
@@ -327,11 +328,12 @@ def _prepare_ours(batches: list[Batch], options: Options, **extra) -> Prepared:
 
 def _on_gpu_mosaic(spec: Spec) -> bool:
     """The Mosaic GPU kernels of varlen prefill and the paged functions: compiled on a GPU only (their interpreter
-    takes seconds for a few dozen tokens); the paged one where it takes the cache (no FP8, its head dims and page
-    sizes: other shapes raise, which an error row would only repeat)."""
+    takes seconds for a few dozen tokens); the paged one where it takes the cache (its head dims and page sizes,
+    FP8 with per-tensor scales: other shapes raise, which an error row would only repeat)."""
     from pallas_attn.core import backend
     from pallas_attn.kernels.mosaic import paged as mosaic_paged
-    paged = (spec.kind in ("decode", "ragged") and not spec.kv_dtype and spec.head_dim in mosaic_paged.HEAD_DIMS
+    paged = (spec.kind in ("decode", "ragged") and spec.head_dim in mosaic_paged.HEAD_DIMS
+             and (not spec.kv_dtype or spec.kv_scale_mode == "tensor")
              and (spec.block_size in mosaic_paged.PAGE_SIZES or spec.block_size % mosaic_paged.BLOCK_N == 0))
     return (spec.kind in PACKED_KINDS or paged) and backend.on_gpu()
 

@@ -93,10 +93,19 @@ def test_paged_mosaic(name):
     assert "mosaic_gpu" in text
 
 
-def test_paged_decode_mosaic():
-    fn = functools.partial(paged_decode_attention, return_lse=True, interpret=False, backend="mosaic")
-    cache = S((64 * 512, 16, 8, 128), BF16)
-    text = _lower(fn, S((64, 32, 128), BF16), cache, cache, S((64, 512), I32), S((64,), I32))
+@pytest.mark.parametrize("cache_dtype", [BF16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_paged_decode_mosaic(cache_dtype):
+    """D1 through the Mosaic decode path, with a bf16 cache and with FP8 pages widened in shared memory."""
+    scales = [S((), jnp.float32)] * 2 if cache_dtype != BF16 else []
+
+    def fn(q, k_cache, v_cache, block_tables, seq_lens, *kv_scales):
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                      k_scale=kv_scales[0] if kv_scales else None,
+                                      v_scale=kv_scales[1] if kv_scales else None, return_lse=True,
+                                      interpret=False, backend="mosaic")
+
+    cache = S((64 * 512, 16, 8, 128), cache_dtype)
+    text = _lower(fn, S((64, 32, 128), BF16), cache, cache, S((64, 512), I32), S((64,), I32), *scales)
     assert "mosaic_gpu" in text
 
 

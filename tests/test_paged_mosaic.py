@@ -180,7 +180,7 @@ def test_decode_is_paged_attention_with_one_token(rng):
     (dict(block_size=48), r"block_size=48"),
     (dict(split_size=32), r"split_size=32"),
     (dict(config=DecodeConfig(block_n=16)), r"config= tunes the Triton kernel"),
-    (dict(fp8=True), r"float8_e4m3fn cache"),
+    (dict(fp8="token"), r"per-token FP8 scales"),
 ])
 def test_unsupported_raises(change, match, rng):
     dtype, d, bs = change.get("dtype", BF16), change.get("head_dim", 64), change.get("block_size", 16)
@@ -189,9 +189,41 @@ def test_unsupported_raises(change, match, rng):
     kw = {k: v for k, v in change.items() if k in ("split_size", "config")}
     if change.get("fp8"):
         kc, vc = kc.astype(jnp.float8_e4m3fn), vc.astype(jnp.float8_e4m3fn)
-        kw.update(k_scale=1.0, v_scale=1.0)
+        scales = jnp.ones(kc.shape[:3], jnp.float32)
+        kw.update(k_scale=scales, v_scale=scales)
     with pytest.raises(ValueError, match=match):
         paged_decode_attention(q, kc, vc, bt, jnp.array([20, 5], jnp.int32), **kw, **MOSAIC)
+
+
+# name: (format, query_lens, seq_lens, block_size, head_dim, kwargs). Pages are quantised from bf16 values by
+# reference.quantize_kv (stored = value / scale, saturated); slots no request owns hold NaN.
+FP8 = {
+    "e4m3_decode_bs16_splits": (jnp.float8_e4m3fn, [1, 1, 1], [1, 70, 130], 16, 64, dict(num_splits=2)),
+    "e5m2_mixed_bs64_d128": (jnp.float8_e5m2, [1, 6, 20], [90, 64, 150], 64, 128, {}),
+    "e4m3_window_sinks_fp16": (jnp.float8_e4m3fn, [1, 4], [200, 77], 8, 64,
+                               dict(window_size=(50, -1), sinks=True, dtype=jnp.float16)),
+}
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_cache_matches_reference(name, rng):
+    """FP8 pages widened to 16 bits in shared memory, the K scale on the raw scores, the V scale on the output:
+    the reference on the dequantised cache, within bf16 tolerance."""
+    fmt, q_lens, seq_lens, bs, d, kw = FP8[name]
+    kw = dict(kw)
+    dtype = kw.pop("dtype", BF16)
+    q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, bs, 4, 2, d, dtype)
+    k_scale, v_scale = jnp.float32(0.03), jnp.float32(0.015)
+    kc8, vc8 = reference.quantize_kv(kc, k_scale, fmt), reference.quantize_kv(vc, v_scale, fmt)
+    kw = _features(rng, 4, kw)
+    args = (q, kc8, vc8, bt, sl, cu)
+    out, lse = paged_attention(*args, max_query_len=max(q_lens), k_scale=k_scale, v_scale=v_scale,
+                               return_lse=True, **kw, **MOSAIC)
+    kw.pop("num_splits", None)
+    ref_out, ref_lse = reference.paged_attention(*args, k_scale=k_scale, v_scale=v_scale, return_lse=True, **kw)
+    n = int(sum(q_lens))
+    assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
+    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
 
 
 def test_query_blocks_bound_every_batch():

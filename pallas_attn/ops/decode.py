@@ -96,14 +96,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
         if x is not None:
             validation.check_head_vector(name, x, q.shape[1])
     mods = masks.ScoreMods(*window_size, softcap, alibi_slopes is not None, sinks is not None)
-    backend = paged.select_backend("paged_decode_attention", backend, q, k_cache, split_size, config)
+    backend = paged.select_backend("paged_decode_attention", backend, q, k_cache, split_size, scale_mode, config)
     interpret = backend_lib.resolve_interpret(interpret)
     scale = float(softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5)
     if backend == "mosaic":  # the ragged kernel, one token per request
         cu_query_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
         return paged._mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes, sinks,
                              max_query_len=1, scale=scale, mods=mods, num_splits=num_splits, split_size=split_size,
-                             return_lse=return_lse, interpret=interpret, name="paged_decode_attention")
+                             return_lse=return_lse, interpret=interpret, name="paged_decode_attention",
+                             kv_scales=tiles.kv_scale_args(scale_mode, k_scale, v_scale))
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     keys = block_tables.shape[1] * k_cache.shape[1]  # the most keys a request reads: the table, or the window
     if mods.window_left >= 0:

@@ -34,23 +34,25 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scal
     return scale_mode
 
 
-def mosaic_unsupported(q, k_cache, split_size: int | None) -> str | None:
+def mosaic_unsupported(q, k_cache, split_size: int | None, scale_mode: str | None) -> str | None:
     """None when the Mosaic paged kernel (:mod:`pallas_attn.kernels.mosaic.paged`) takes these arguments, else the
     reason it does not; :func:`pallas_attn.paged_decode_attention` shares the rule."""
-    reason = mosaic_paged.supported(q, k_cache)
+    reason = mosaic_paged.supported(q, k_cache, scale_mode)
     if reason is None and split_size is not None and split_size % mosaic_paged.BLOCK_N:
         reason = f"{split_size=} (a multiple of its {mosaic_paged.BLOCK_N}-key tiles)"
     return reason
 
 
-def select_backend(function: str, backend: str | None, q, k_cache, split_size: int | None, *configs) -> str:
+def select_backend(function: str, backend: str | None, q, k_cache, split_size: int | None, scale_mode: str | None,
+                   *configs) -> str:
     """The backend of a paged call: the Triton kernel by default while JAX ships it (the Mosaic kernel has not been
     measured against it yet: docs/performance.md#paged-backends), the Mosaic kernel where asked or where the Pallas
     Triton backend is gone (:func:`pallas_attn.core.backend.select_backend`). ``configs`` tune the Triton kernel: one
     given picks it, and ``backend="mosaic"`` with one raises ``ValueError``."""
     given = next((c for c in configs if c is not None), None)
     return backend_lib.select_backend(backend, config=given, default=lambda: "triton",
-                                      mosaic_unsupported=lambda: mosaic_unsupported(q, k_cache, split_size),
+                                      mosaic_unsupported=lambda: mosaic_unsupported(q, k_cache, split_size,
+                                                                                    scale_mode),
                                       function=function)
 
 
@@ -95,11 +97,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         verification rows; a fixed ``block_q`` runs the whole batch in one launch with it.
       chunk_config: the same for prefill chunks (``q_len > 16``) of a mixed batch, which run in a second launch with
         prefill-sized tiles; default :func:`pallas_attn.core.config.default_chunk_config`.
-      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.paged` (one launch,
-        64-key tiles, TMA page copies; bf16 / fp16 caches of q's dtype, head dims 64, 128, 256, page sizes 8, 16,
-        32 or a multiple of 64, ``split_size`` a multiple of 64 — anything else raises ``ValueError`` naming it;
-        interpreted on CPU by the Mosaic GPU interpreter). None: the Triton kernel while JAX ships its backend (or a
-        config is given), else the Mosaic kernel where it applies.
+      backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.paged` (64-row query
+        blocks, 64-key tiles, TMA page copies; bf16 / fp16 queries over a cache of q's dtype or FP8 with per-tensor
+        scales, head dims 64, 128, 256, page sizes 8, 16, 32 or a multiple of 64, ``split_size`` a multiple of 64 —
+        anything else raises ``ValueError`` naming it; interpreted on CPU by the Mosaic GPU interpreter). None: the
+        Triton kernel while JAX ships its backend (or a config is given), else the Mosaic kernel where it applies.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse``). No tokens, no request
@@ -118,13 +120,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
             validation.check_head_vector(name, x, q.shape[1])
     mods = masks.ScoreMods(*window_size, softcap, alibi_slopes is not None, sinks is not None)
     cu_query_lens = metadata.clamp_cu(cu_query_lens, q.shape[0])  # whatever it holds, requests stay disjoint
-    backend = select_backend("paged_attention", backend, q, k_cache, split_size, config, chunk_config)
+    backend = select_backend("paged_attention", backend, q, k_cache, split_size, scale_mode, config, chunk_config)
     interpret = backend_lib.resolve_interpret(interpret)
     scale = float(softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5)
     if backend == "mosaic":
         return _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes, sinks,
                        max_query_len=max_query_len, scale=scale, mods=mods, num_splits=num_splits,
-                       split_size=split_size, return_lse=return_lse, interpret=interpret)
+                       split_size=split_size, return_lse=return_lse, interpret=interpret,
+                       kv_scales=tiles.kv_scale_args(scale_mode, k_scale, v_scale))
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     chunk_cfg = chunk_config or config_lib.default_chunk_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
     group_padded = config_lib.next_pow2(q.shape[1] // k_cache.shape[2])
@@ -164,7 +167,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
 
 def _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes, sinks, *, max_query_len: int,
             scale: float, mods: masks.ScoreMods, num_splits: int | None, split_size: int | None, return_lse: bool,
-            interpret: bool, name: str = "paged_attention"):
+            interpret: bool, kv_scales: tuple = (), name: str = "paged_attention"):
     """The Mosaic kernel's call, shared with :func:`pallas_attn.paged_decode_attention`: its split plan, then the
     kernel. Short queries alone: one launch, the heuristic over its query blocks × KV heads. With prefill chunks
     and no split given: two launches, decided apart as the Triton kernel's are (short queries like decode, tail
@@ -189,5 +192,5 @@ def _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_sl
                             num_splits=splits, split_size=split_size, interpret=interpret, mods=mods,
                             short_splits=short_splits)
     out, lse = common.no_backward(name, run)(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
-                                             alibi_slopes, sinks)
+                                             alibi_slopes, sinks, kv_scales)
     return (out, lse) if return_lse else out

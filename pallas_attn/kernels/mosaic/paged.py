@@ -28,8 +28,13 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   rows]``, one TMA store each; the wrapper gathers the token rows (padding rows: 0 and -inf) and merges split
   partials with :func:`pallas_attn.core.softmax.merge_split_outputs`.
 
-Head dims 64, 128 and 256, bf16 / fp16 caches of q's dtype, page sizes 8, 16, 32 or a multiple of 64, groups up
-to 64 (:func:`supported`); the Triton kernel takes the rest (FP8 caches included).
+* FP8 caches (per-tensor scales): pages land as stored and the compute warpgroup widens each tile to 16 bits in
+  shared memory (wgmma takes no mixed operands; docs/design.md#fp8-kv-caches), freeing the FP8 slot at once; the K
+  scale multiplies the raw scores, the V scale the normalised output.
+
+Head dims 64, 128 and 256, bf16 / fp16 queries over a cache of q's dtype or FP8, page sizes 8, 16, 32 or a
+multiple of 64, groups up to 64 (:func:`supported`); the Triton kernel takes the rest (per-token FP8 scales
+included).
 
 Interpret mode (CPU): the Mosaic GPU interpreter runs this kernel with the same two limits as the Mosaic prefill's
 (:mod:`pallas_attn.kernels.mosaic.prefill`): P reaches wgmma through shared memory, and each ``P V`` is a fresh
@@ -59,14 +64,18 @@ FEATURE_ROWS = 2  # ALiBi slopes and sinks, one 64-row vector each per KV head
 SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks (a launch of their own)
 
 
-def supported(q, k_cache) -> str | None:
-    """None when the Mosaic paged kernel applies to these inputs, else the reason it does not."""
+def supported(q, k_cache, scale_mode: str | None = None) -> str | None:
+    """None when the Mosaic paged kernel applies to these inputs, else the reason it does not. ``scale_mode``: an
+    FP8 cache's ("tensor" or "token", :func:`pallas_attn.core.validation.check_kv_scales`)."""
     head_dim = q.shape[-1]
     block_size, num_kv_heads = k_cache.shape[1:3]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
-    if k_cache.dtype != q.dtype:
-        return f"a {k_cache.dtype} cache (the cache in q's dtype only; FP8 caches run on the Triton kernel)"
+    if tiles.fp8_format(k_cache.dtype) is not None:
+        if scale_mode == "token":
+            return "per-token FP8 scales (per-tensor scales only; the Triton kernel reads scale caches)"
+    elif k_cache.dtype != q.dtype:
+        return f"a {k_cache.dtype} cache (q's dtype or FP8 only)"
     if head_dim not in HEAD_DIMS:
         return f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})"
     if block_size not in PAGE_SIZES and block_size % BLOCK_N:
@@ -77,7 +86,7 @@ def supported(q, k_cache) -> str | None:
 
 
 def num_slots(head_dim: int) -> int:
-    """K/V tiles in flight: four up to head dim 128 (128 KB of shared memory), two at 256."""
+    """K/V tiles in flight: four up to head dim 128 (128 KB of 16-bit shared memory, 64 KB of FP8), two at 256."""
     return 4 if head_dim <= 128 else 2
 
 
@@ -116,12 +125,16 @@ def _tile_pages(table_ref, table_base, j, seq_len, key_lo, *, block_size: int, m
 
 def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref,
             *refs, group: int, block_q: int, rows_pad: int, max_blocks: int, block_size: int, slots: int,
-            num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, compiled: bool):
-    # refs: [features f32[Hkv, FEATURE_ROWS, 64]] (ALiBi slopes / sinks by row), o, lse, the scratch
+            num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, fp8: bool,
+            compiled: bool):
+    # refs: [features f32[Hkv, FEATURE_ROWS, 64]] (ALiBi slopes / sinks by row), [FP8 scales f32[2]: k, v], o, lse,
+    # the scratch
     refs = list(refs)
     feat_ref = refs.pop(0) if (mods.alibi or mods.sinks) else None
+    scales_ref = refs.pop(0) if fp8 else None
     o_ref, lse_ref, scoped = refs
-    (q_smem, stage, k_smem, v_smem, lse_smem, feat_smem, p_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
+    (q_smem, stage, k_smem, v_smem, lse_smem, feat_smem, p_smem, (k16, v16)), (q_bar, k_bar, v_bar), \
+        (k_free, v_free) = scoped
     p, kv_head, split = lax.axis_index("block"), lax.axis_index("heads"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
@@ -170,6 +183,17 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
         def iota(shape, dim):
             return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
+        k_scale, v_scale = (scales_ref[0], scales_ref[1]) if fp8 else (None, None)
+
+        def widen(fp8_tile, tile):
+            """``tile`` (16-bit, swizzled) ← the FP8 tile as stored, for wgmma (which takes no mixed operands). sm_90
+            converts FP8 to fp16 only; fp16 → bf16 goes through float32. All exact: both FP8 formats are fp16 and
+            bf16 numbers."""
+            x = plgpu.load(fp8_tile, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float16)
+            tile[...] = x if dtype == jnp.float16 else x.astype(jnp.float32).astype(dtype)
+            plgpu.commit_smem()
+            return tile
+
         exp_scale = (mods.softcap if mods.softcap > 0 else scale) * softmax.LOG2E
         slope = None
         if mods.alibi:  # in the units of the scores the exponential's FMA scales (see the Mosaic prefill)
@@ -191,13 +215,20 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             refilled = j + slots < kv_end
             tile_pages = pages(j)
             plgpu.barrier_wait(k_bar.at[slot])
+            k_tile = k_smem.at[slot]
+            if fp8:  # into 16 bits for wgmma, through registers; the FP8 slot is free again at once
+                k_tile = widen(k_tile, k16)
+                pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, BLOCK_N), jnp.float32))
-            pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+            if not fp8:
+                pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+            if fp8:  # the raw score of the stored keys times the K scale: q · k as the cache means it
+                s = s * k_scale
             k_pos = iota(s.shape, 1) + j * BLOCK_N
             q_pos = q_first + lax.div(iota(s.shape, 0), jnp.int32(group))
             if mods.softcap > 0:  # tanh.approx.f32 (approx_math)
@@ -217,6 +248,9 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bar.at[slot])
             v_slot = v_smem.at[slot]
+            if fp8:
+                v_slot = widen(v_slot, v16)
+                pl.when(refilled)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
             whole = (j * BLOCK_N >= key_lo) & ((j + 1) * BLOCK_N <= seq_len)
             whole = functools.reduce(lambda w, page: w & page[3], tile_pages, whole)
 
@@ -240,7 +274,8 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                     return acc_ref[...]
 
                 acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
-            pl.when(refilled)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
+            if not fp8:
+                pl.when(refilled)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
             return acc, m_i, l_i
 
         state = softmax.kv_loop((acc, m_i, l_i), tile_start, full_end, kv_end, step, full_start)
@@ -248,6 +283,8 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
         if mods.sinks and num_splits == 1:  # split partials leave the sink to their merge
             sink2 = plgpu.load(feat_smem.at[1], layout=row_layout) * softmax.LOG2E
         out, lse = softmax.finalize(state, sink2)
+        if fp8:  # the V scale once, on the normalised output (before any merge: merging is linear in it)
+            out = out * v_scale
         q_smem[...] = out.astype(dtype)  # Q's last reader, the last Q Kᵀ, has completed
         lse_smem[...] = lse
         plgpu.commit_smem()
@@ -294,19 +331,20 @@ def _token_rows(cu_query_lens, cu_blocks, num_tokens: int, num_kv_heads: int, gr
 
 
 def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes=None, sinks=None,
-                           *, max_query_len: int, scale: float, num_splits: int, split_size: int | None,
-                           interpret: bool, mods: masks.ScoreMods = masks.NO_MODS,
+                           kv_scales=(), *, max_query_len: int, scale: float, num_splits: int,
+                           split_size: int | None, interpret: bool, mods: masks.ScoreMods = masks.NO_MODS,
                            short_splits: tuple[int, int | None] | None = None):
     """``(out [T, Hq, D], lse f32[T, Hq])``; arguments validated by :func:`pallas_attn.paged_attention` and
     :func:`supported`, ``cu_query_lens`` clamped (:func:`pallas_attn.core.metadata.clamp_cu`). ``split_size`` a
-    multiple of 64 or None; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says.
+    multiple of 64 or None; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says; ``kv_scales``
+    an FP8 cache's ``(f32[2],)`` (k_scale, v_scale: :func:`pallas_attn.core.tiles.kv_scale_args`).
 
     ``short_splits = (num_splits, split_size)``: a batch with prefill chunks (``max_query_len > 16``) runs as two
     launches, the short queries (decode, verification) split by ``short_splits`` and the chunks by ``num_splits``
     / ``split_size``, each request's rows taken from its own launch: decodes beside chunks still split their long
     contexts (as :func:`pallas_attn.kernels.triton.paged.launch_splits` decides for the Triton kernel). None: one
     launch, one split plan."""
-    reason = supported(q, k_cache)
+    reason = supported(q, k_cache, tiles.kv_scales_mode(kv_scales))
     if reason is not None:
         raise ValueError(f"the Mosaic paged kernel does not support {reason}")
     for size in (split_size, short_splits[1] if short_splits else None):
@@ -320,8 +358,8 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
         vectors = [x.astype(jnp.float32) if x is not None else jnp.zeros((num_q_heads,), jnp.float32)
                    for x in (alibi_slopes, sinks)]
         features = [jnp.stack([v[heads] for v in vectors], axis=1)]  # [Hkv, FEATURE_ROWS, 64]
-    launch = functools.partial(_launch, q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, features, sinks,
-                               scale=scale, interpret=interpret, mods=mods)
+    launch = functools.partial(_launch, q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
+                               [*features, *kv_scales], sinks, scale=scale, interpret=interpret, mods=mods)
     if short_splits is None or max_query_len <= SHORT_QUERY_LEN:
         return launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size)
     short = launch(max_query_len=SHORT_QUERY_LEN, num_splits=short_splits[0], split_size=short_splits[1],
@@ -333,12 +371,12 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
     return jnp.where(is_short[..., None], short[0], long[0]), jnp.where(is_short, short[1], long[1])
 
 
-def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, features, sinks, *, max_query_len: int,
+def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, sinks, *, max_query_len: int,
             scale: float, num_splits: int, split_size: int | None, interpret: bool, mods: masks.ScoreMods,
             query_class: str | None = None):
     """One launch over the query blocks of the requests of ``query_class`` ("short": ``q_len <= 16``, "long": the
     others, None: all), its output tiles gathered into ``(out [T, Hq, D], lse f32[T, Hq])``: rows of other
-    requests and padding rows 0 and -inf."""
+    requests and padding rows 0 and -inf. ``extra``: the kernel's feature rows and FP8 scales (:func:`_kernel`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
@@ -356,23 +394,29 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, features
     block_req, block_first, cu_blocks = metadata.segment_items((counts + block_q - 1) // block_q, num_blocks)
     block_first = block_first * block_q
     slots = num_slots(head_dim)
+    fp8 = tiles.fp8_format(k_cache.dtype) is not None
+    has_features = mods.alibi or mods.sinks
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
+    # FP8 pages land as stored (untiled: a register load widens them into the 16-bit tiles wgmma reads)
+    cache_layout = {} if fp8 else tiled
     scratch = (
         (plgpu.SMEM((BLOCK_M, head_dim), q.dtype, **tiled),  # Q, then the output tile
          plgpu.SMEM((BLOCK_M, head_dim), q.dtype),  # Q as it lands, untiled: tokens × group rows
-         plgpu.SMEM((slots, BLOCK_N, head_dim), k_cache.dtype, **tiled),
-         plgpu.SMEM((slots, BLOCK_N, head_dim), v_cache.dtype, **tiled),
+         plgpu.SMEM((slots, BLOCK_N, head_dim), k_cache.dtype, **cache_layout),
+         plgpu.SMEM((slots, BLOCK_N, head_dim), v_cache.dtype, **cache_layout),
          plgpu.SMEM((BLOCK_M,), jnp.float32),
-         plgpu.SMEM((FEATURE_ROWS, BLOCK_M), jnp.float32) if features else None,
-         plgpu.SMEM((BLOCK_M, BLOCK_N), q.dtype, **tiled) if interpret else None),  # P (interpreter)
-        (plgpu.Barrier(num_arrivals=block_q + len(features)),
+         plgpu.SMEM((FEATURE_ROWS, BLOCK_M), jnp.float32) if has_features else None,
+         plgpu.SMEM((BLOCK_M, BLOCK_N), q.dtype, **tiled) if interpret else None,  # P (interpreter)
+         (plgpu.SMEM((BLOCK_N, head_dim), q.dtype, **tiled),) * 2 if fp8 else (None, None)),  # K, V widened
+        (plgpu.Barrier(num_arrivals=block_q + int(has_features)),
          *[plgpu.Barrier(num_arrivals=max(1, BLOCK_N // block_size), num_barriers=slots)] * 2),
         (plgpu.Barrier(num_barriers=slots),) * 2,
     )
     body = functools.partial(
         _kernel, group=group, block_q=block_q, rows_pad=rows_pad, max_blocks=max_blocks, block_size=block_size,
-        slots=slots, num_splits=num_splits, split_size=split_size, scale=scale, mods=mods, compiled=not interpret)
+        slots=slots, num_splits=num_splits, split_size=split_size, scale=scale, mods=mods, fp8=fp8,
+        compiled=not interpret)
 
     def paged_kernel(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -390,7 +434,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, features
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret_params,
     )(block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1),
-      q.reshape(num_tokens, num_kv_heads, group, head_dim), k_cache, v_cache, *features)
+      q.reshape(num_tokens, num_kv_heads, group, head_dim), k_cache, v_cache, *extra)
 
     rows, owned = _token_rows(cu_query_lens, cu_blocks, num_tokens, num_kv_heads, group, block_q, rows_pad)
     out_dtype = q.dtype if num_splits == 1 else jnp.float32  # partials merge in float32
