@@ -19,8 +19,8 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
   pallas_attn/paged      a decode workload run through the ragged ``paged_attention`` (q_len = 1 each)
   pallas_attn/parts      a mixed ragged batch run as separate calls, one per request group (decodes through
                          ``paged_decode_attention``, the others through ``paged_attention``)
-  pallas_attn/mosaic     ``backend="mosaic"``, the Hopper kernels (GPU only): varlen prefill (in a training step the
-                         forward's backend; the backward is Triton's either way), paged decode and ragged batches
+  pallas_attn/mosaic     ``backend="mosaic"``, the Hopper kernels (GPU only): varlen prefill (in a training step
+                         forward and backward: ``backward_backend="mosaic"``), paged decode and ragged batches
                          whose cache the Mosaic paged kernel takes (q's dtype or FP8 per tensor, head dim 64 /
                          128 / 256)
   pallas_attn/triton     varlen prefill / training step / sparse MLA with ``backend="triton"`` (the default picks
@@ -180,7 +180,7 @@ def _prepare_prefill(batches: list[Batch], options: Options, **extra) -> Prepare
 
 def _prepare_prefill_bwd(batches: list[Batch], options: Options, **extra) -> Prepared:
     """``varlen_attention``'s training step: its forward (the backend the call picks) and its custom_vjp backward
-    (Triton); ``backward_config`` comes with ``extra`` or the sweep's overrides."""
+    (``backward_backend``: Triton by default); ``backward_config`` comes with ``extra`` or the sweep's overrides."""
     return with_grads(_prepare_prefill(batches, options, **extra), batches)
 
 
@@ -326,6 +326,12 @@ def _prepare_ours(batches: list[Batch], options: Options, **extra) -> Prepared:
     return PREPARE_BY_KIND[batches[0].spec.kind](batches, options, **extra)
 
 
+def _prepare_mosaic(batches: list[Batch], options: Options) -> Prepared:
+    """Every kernel of the row on Mosaic GPU: the forward's ``backend``, and a training step's backward too."""
+    extra = dict(backward_backend="mosaic") if batches[0].spec.kind == "prefill-bwd" else {}
+    return _prepare_ours(batches, options, backend="mosaic", **extra)
+
+
 def _on_gpu_mosaic(spec: Spec) -> bool:
     """The Mosaic GPU kernels of varlen prefill and the paged functions: compiled on a GPU only (their interpreter
     takes seconds for a few dozen tokens); the paged one where it takes the cache (its head dims and page sizes,
@@ -358,7 +364,7 @@ OUR_IMPLS: list[Impl] = [
     Impl(f"{OURS}/paged", lambda s: s.kind == "decode" and not s.family, _prepare_decode_as_ragged, anchor=False,
          features=takes("paged_attention")),
     Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False, features=_parts_features),
-    Impl(f"{OURS}/mosaic", _on_gpu_mosaic, lambda b, o: _prepare_ours(b, o, backend="mosaic"), anchor=False,
+    Impl(f"{OURS}/mosaic", _on_gpu_mosaic, _prepare_mosaic, anchor=False,
          features=takes_for_kind),
     Impl(f"{OURS}/triton", lambda s: s.kind in (*PACKED_KINDS, "sparse"),
          lambda b, o: _prepare_ours(b, o, backend="triton"), anchor=False, features=takes_for_kind),

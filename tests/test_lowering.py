@@ -93,6 +93,27 @@ def test_paged_mosaic(name):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("tokens, hq, hkv, d, kw", [
+    (29184, 32, 8, 128, {}),  # P1-bwd
+    (32768, 16, 16, 64, dict(causal=False, window_size=(255, 255), softcap=30.0)),  # an encoder, every feature
+    (4099, 8, 1, 128, dict(window_size=(1023, 0), sinks=True)),  # rows not a multiple of 8
+])
+def test_varlen_backward_mosaic(tokens, hq, hkv, d, kw):
+    """The Mosaic backward kernels (dK / dV, dQ) at training shapes."""
+    kw = dict(kw)
+    sinks = kw.pop("sinks", False)
+
+    def fn(q, k, v, cu, *s):
+        loss = lambda q, k, v, *s: varlen_attention(  # noqa: E731
+            q, k, v, cu, max_seqlen=8192, interpret=False, backward_backend="mosaic", sinks=s[0] if s else None,
+            **kw).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=tuple(range(3 + len(s))))(q, k, v, *s)
+
+    text = _lower(fn, S((tokens, hq, d), BF16), S((tokens, hkv, d), BF16), S((tokens, hkv, d), BF16), S((17,), I32),
+                  *([S((hq,), jnp.float32)] if sinks else []))
+    assert text.count("mosaic_gpu") >= 2
+
+
 @pytest.mark.parametrize("cache_dtype", [BF16, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_paged_decode_mosaic(cache_dtype):
     """D1 through the Mosaic decode path, with a bf16 cache and with FP8 pages widened in shared memory."""

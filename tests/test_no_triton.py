@@ -58,7 +58,14 @@ WITHOUT_TRITON = textwrap.dedent("""
     raises(lambda: pa.paged_attention(qd, kc4, vc4, bt4, lens, cu1, max_query_len=1), "paged_attention",
            "block_size=4")
     grad = jax.grad(lambda q: pa.varlen_attention(q, k, v, cu, max_seqlen=70).astype(jnp.float32).sum())
-    raises(lambda: grad(q), "the gradient of varlen_attention", "no Mosaic GPU kernel")  # the backward is Triton's
+    want = jax.grad(lambda q: pa.reference.varlen_attention_dense(q, k.astype(jnp.float32), v.astype(jnp.float32),
+                                                                  cu, max_seqlen=70).sum())(q.astype(jnp.float32))
+    assert_attention_close(grad(q), want, dtype=jnp.bfloat16, rtol=2e-2, valid_rows=75)  # the Mosaic backward
+    print("grad: mosaic")
+    q256, k256 = (jnp.zeros((8, h, 256), jnp.bfloat16) for h in (4, 2))
+    grad256 = jax.jit(jax.grad(lambda q: pa.varlen_attention(q, k256, k256, jnp.array([0, 8], jnp.int32),
+                                                             max_seqlen=8).astype(jnp.float32).sum()))
+    raises(lambda: grad256.lower(q256), "the gradient of varlen_attention", "head_dim=256")
     raises(lambda: pa.varlen_attention(q, k, v, cu, max_seqlen=70, backend="triton"), "varlen_attention",
            "backend='triton'")
     raises(lambda: pa.varlen_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), cu,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_attn.core import backend as backend_lib, config as config_lib, masks, metadata, softmax, validation
-from pallas_attn.kernels.mosaic import prefill as mosaic_prefill
+from pallas_attn.kernels.mosaic import prefill as mosaic_prefill, prefill_bwd as mosaic_prefill_bwd
 from pallas_attn.kernels.triton import prefill as triton_prefill, prefill_bwd
 from pallas_attn.ops import common
 
@@ -71,14 +71,35 @@ def _owned_rows(cu_seqlens, num_tokens: int, max_seqlen: int):
     return (req >= 0) & (local < max_seqlen)
 
 
+def backward_backend_for(q, requested: str | None, backward_config) -> str:
+    """The backward pass's backend: ``requested`` ("triton" / "mosaic") checked, or with None the Triton kernels
+    while JAX ships their backend (measured on no GPU yet against the Mosaic ones: docs/performance.md#varlen-
+    backward), else the Mosaic kernels where they apply. Raises ``ValueError`` naming the argument at trace time;
+    where neither applies, the backward raises :class:`pallas_attn.BackendUnavailableError`."""
+    if requested not in (None, *backend_lib.BACKENDS):
+        raise ValueError(f"backward_backend must be one of {backend_lib.BACKENDS} or None; got {requested!r}")
+    reason = mosaic_prefill_bwd.supported(q)
+    if requested == "mosaic":
+        if backward_config is not None:
+            raise ValueError("backward_config= tunes the Triton backward; the Mosaic backward takes none (pass "
+                             "backward_backend='triton')")
+        if reason is not None:
+            raise ValueError(f"backward_backend='mosaic' does not support {reason}; pass backward_backend='triton'")
+        return "mosaic"
+    if requested is None and not backend_lib.triton_available() and reason is None and backward_config is None:
+        return "mosaic"
+    return "triton"
+
+
 def _differentiable(forward, *, return_lse: bool, max_seqlen: int, causal: bool, scale: float, interpret: bool,
-                    cfg: config_lib.PrefillConfig, mods: masks.ScoreMods):
+                    cfg: config_lib.PrefillConfig, mods: masks.ScoreMods, backward_backend: str = "triton"):
     """``forward(..., return_lse=)`` (a kernel on ``(q, k, v, cu_seqlens, alibi_slopes, sinks)`` returning
     ``(out, lse | None)``) under :func:`jax.custom_vjp`, returning ``(out, lse)``. A plain call runs the kernel as
     asked (the LSE only with ``return_lse``; else a placeholder, dropped by the caller); under differentiation the
     forward also computes the LSE and saves it with ``out``, and the backward runs the Triton kernels of
     :mod:`pallas_attn.kernels.triton.prefill_bwd` (the docstring there has the formulas). Gradients reach q, k, v
-    and the sinks; a cotangent on the returned LSE is honoured."""
+    and the sinks; a cotangent on the returned LSE is honoured. ``backward_backend``: "triton" or "mosaic" (the
+    kernels of :mod:`pallas_attn.kernels.mosaic.prefill_bwd`, same contract)."""
 
     @jax.custom_vjp
     def attention(q, k, v, cu_seqlens, alibi_slopes, sinks):
@@ -94,8 +115,11 @@ def _differentiable(forward, *, return_lse: bool, max_seqlen: int, causal: bool,
     def attention_bwd(residuals, cotangents):
         q, k, v, cu_seqlens, alibi_slopes, sinks, out, lse = residuals
         d_out, d_lse = cotangents
-        backend_lib.require_triton("the gradient of varlen_attention", "its backward pass has no Mosaic GPU kernel "
-                                   "yet")
+        if backward_backend == "triton":
+            reason = mosaic_prefill_bwd.supported(q)
+            why = (f"its Mosaic GPU backward does not apply ({reason})" if reason
+                   else "backward_backend='triton' or a backward_config asks for it")
+            backend_lib.require_triton("the gradient of varlen_attention", why)
         owned = _owned_rows(cu_seqlens, q.shape[0], max_seqlen)[:, None]  # [T, 1]
         sees_keys = jnp.isfinite(lse) & owned  # [T, Hq]
         d_out = jnp.where(owned[..., None], d_out, jnp.zeros((), d_out.dtype))  # padding cotangents reach nothing
@@ -105,9 +129,12 @@ def _differentiable(forward, *, return_lse: bool, max_seqlen: int, causal: bool,
         lse_per_p = jnp.where(sees_keys, jnp.exp(denominator - jnp.where(sees_keys, lse, 0.0)), 0.0)
         delta_lse = delta - jnp.where(sees_keys, d_lse, 0.0) * lse_per_p
         l2 = jnp.where(sees_keys, denominator * softmax.LOG2E, jnp.inf)  # a row with no key: P = 0
-        dq, dk, dv = prefill_bwd.varlen_attention_bwd_triton(
-            q, k, v, cu_seqlens, d_out.astype(q.dtype), l2, delta_lse, alibi_slopes, max_seqlen=max_seqlen,
-            causal=causal, scale=scale, interpret=interpret, cfg=cfg, mods=mods)
+        if backward_backend == "mosaic":
+            kernels = functools.partial(mosaic_prefill_bwd.varlen_attention_bwd_mosaic, interpret=interpret)
+        else:
+            kernels = functools.partial(prefill_bwd.varlen_attention_bwd_triton, interpret=interpret, cfg=cfg)
+        dq, dk, dv = kernels(q, k, v, cu_seqlens, d_out.astype(q.dtype), l2, delta_lse, alibi_slopes,
+                             max_seqlen=max_seqlen, causal=causal, scale=scale, mods=mods)
         zero = lambda x, like: jnp.where(owned[..., None], x, 0.0).astype(like.dtype)  # noqa: E731  unwritten rows
         d_sinks = None
         if sinks is not None:  # d/d sink_h = -Σ_rows P_sink · D, P_sink = exp(sink - L); a row with no key has D = 0
@@ -125,12 +152,14 @@ def _differentiable(forward, *, return_lse: bool, max_seqlen: int, causal: bool,
                            softcap=validation.check_softcap, return_lse=validation.check_static_bool,
                            interpret=_OPTIONAL_BOOL))
 @functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "window_size", "softcap",
-                                             "return_lse", "interpret", "config", "backend", "backward_config"))
+                                             "return_lse", "interpret", "config", "backend", "backward_config",
+                                             "backward_backend"))
 def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = True, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
                      return_lse: bool = False, interpret: bool | None = None,
                      config: config_lib.PrefillConfig | config_lib.MosaicPrefillConfig | None = None,
-                     backend: str | None = None, backward_config: config_lib.PrefillConfig | None = None):
+                     backend: str | None = None, backward_config: config_lib.PrefillConfig | None = None,
+                     backward_backend: str | None = None):
     """Attention over requests packed along the token axis; each request sees only its own tokens.
 
     Args:
@@ -168,6 +197,9 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
       backward_config: the backward pass's tiles (:class:`pallas_attn.core.config.PrefillConfig`: ``block_m``
         query rows of one head, ``block_n`` keys, warps, stages); None: :func:`pallas_attn.core.config.
         default_backward_config`.
+      backward_backend: "triton" or "mosaic": the backward pass's kernels, whichever the forward's
+        (:mod:`pallas_attn.kernels.mosaic.prefill_bwd`: bf16/fp16, head dims 64 and 128; otherwise ``ValueError``
+        naming head_dim or dtype). None: Triton while JAX ships its backend, else Mosaic where it applies.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked). Array arguments may be
@@ -175,7 +207,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
 
     Gradients: ``jax.grad`` / ``jax.vjp`` reach ``q``, ``k``, ``v`` (GQA: dK and dV summed over each group) and
     ``sinks``, with every feature above and a cotangent on the returned LSE; the forward saves only ``out`` and the
-    LSE, and the backward (Triton kernels, either forward backend) recomputes the probabilities tile by tile. Rows
+    LSE, and the backward (``backward_backend``'s kernels, either forward backend) recomputes the probabilities
+    tile by tile. Rows
     no request owns, and a request's rows past ``max_seqlen``, get zero gradients, and nothing in them (NaN
     included) reaches another row's. No atomics: the gradients are bit-identical run to run. ``alibi_slopes`` and
     ``cu_seqlens`` get none. Forward-mode (``jax.jvp``) raises.
@@ -207,6 +240,7 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
                                 scale=float(scale), interpret=interpret, cfg=cfg, mods=mods)
     attention = _differentiable(run, return_lse=return_lse, max_seqlen=max_seqlen, causal=causal, scale=float(scale),
                                 interpret=interpret, mods=mods,
-                                cfg=backward_config or config_lib.default_backward_config(q.shape[-1]))
+                                cfg=backward_config or config_lib.default_backward_config(q.shape[-1]),
+                                backward_backend=backward_backend_for(q, backward_backend, backward_config))
     out, lse = attention(q, k, v, cu_seqlens, alibi_slopes, sinks)
     return (out, lse) if return_lse else out

@@ -1,0 +1,373 @@
+"""The backward pass of packed varlen attention on the Mosaic GPU backend (Hopper: wgmma, TMA, warp specialisation).
+
+The formulas and the two-kernel split are the Triton backward's (:mod:`pallas_attn.kernels.triton.prefill_bwd`:
+``P = exp(s - L)`` recomputed, ``dS = P ∘ (dP - D)``, no atomics, so gradients are bit-identical run to run),
+written FlashAttention-3 style for the backend JAX keeps:
+
+* the operands are re-packed first (one XLA gather) so that every request starts on a 64-row tile and the rows
+  past its end are zeros: every TMA then reads whole, aligned tiles of one request, and a zero row (its query
+  gradient, probability and contribution all 0) stands wherever another request's rows, or padding, would
+  otherwise meet a ``0 · NaN``. The cost: ``T + 63 · num_seqs`` rows instead of ``T``, and the gathers' traffic.
+* **dK / dV**: grid ``(Hkv, key tiles)``. A program holds one 64-key tile of K and V in shared memory and walks
+  every query head of the group over the query tiles that see the tile (causal: from its own tile on; a window
+  bounds both ends). Keys are the M dimension of all four wgmmas: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` with the
+  streamed tiles transposed as B, then ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` with ``Pᵀ`` / ``dSᵀ`` from registers.
+  GQA's sum over the group happens in the float32 accumulators.
+* **dQ**: grid ``(Hq, query tiles)``. A program holds one head's 64-row tile of Q and dO and walks the key tiles
+  it sees: ``S = Q Kᵀ``, ``dP = dO Vᵀ``, ``dQ += dS K``.
+* each kernel has a memory warpgroup streaming the walked tiles by TMA through a ring of shared-memory slots
+  (the query side's ``l2`` and ``D`` vectors with them) and one compute warpgroup.
+* every feature of the forward: causal or not, a window (the walk is bounded by it; the mask is applied on every
+  step), soft-cap (``s'`` = scale · (1 - tanh²)), ALiBi (a constant in the score: no term in ``s'``); the sinks'
+  and a returned LSE's gradients are folded into ``L`` and ``D`` by the caller (:mod:`pallas_attn.ops.varlen`).
+
+Head dims 64 and 128 (:func:`supported`: the two float32 accumulators of a dK / dV program take 128 registers a
+thread at 128; 256 would not fit beside the scores), bf16 / fp16.
+
+Interpret mode (CPU): the Mosaic GPU interpreter runs both kernels with the forward's two limits
+(:mod:`pallas_attn.kernels.mosaic.prefill`): wgmma's A operand comes from shared memory (Pᵀ, dSᵀ, dS go through a
+scratch tile) and each product is a fresh accumulator added to the running one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_attn.core import masks, metadata, softmax
+
+BLOCK = 64  # rows of every tile: queries, keys, the wgmma M
+HEAD_DIMS = (64, 128)
+SLOTS = 2  # streamed tiles in flight
+SWIZZLE = 128
+TILE_COLS = 64
+
+
+def supported(q) -> str | None:
+    """None when the Mosaic backward applies to these inputs, else the reason it does not."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {q.dtype} (bf16 / fp16 only)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim={q.shape[-1]} (supported: {', '.join(map(str, HEAD_DIMS))})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- shared parts
+def _mask_and_scores(raw, q_pos, k_pos, seq_len, *, causal: bool, scale: float, mods: masks.ScoreMods, slope2):
+    """``(s2, ds, visible)`` of a ``raw = q·k`` tile whose element positions are ``q_pos`` / ``k_pos`` (arrays of
+    raw's shape, any orientation): base-2 scores, the derivative of the natural-log score by ``raw`` and the
+    forward's mask."""
+    if mods.softcap > 0:
+        t = jnp.tanh(raw * (scale / mods.softcap))
+        s2, ds = t * (mods.softcap * softmax.LOG2E), scale * (1.0 - t * t)
+    else:
+        s2, ds = raw * (scale * softmax.LOG2E), scale
+    if mods.alibi:
+        s2 = s2 + slope2 * (k_pos - q_pos).astype(jnp.float32)
+    visible = (k_pos < seq_len) & (q_pos < seq_len)
+    if causal:
+        visible &= k_pos <= q_pos
+    if mods.window_left >= 0:
+        visible &= k_pos >= q_pos - mods.window_left
+    if mods.window_right >= 0:
+        visible &= k_pos <= q_pos + mods.window_right
+    return s2, ds, visible
+
+
+def _iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _dot(a, b, shape):
+    """``a @ b`` (float32 ``shape``), both operands in shared memory."""
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+
+
+def _accumulate(acc, a, b, scratch, compiled: bool):
+    """``acc + a @ b`` with ``a`` a 16-bit register tile: wgmma into ``acc`` itself (compiled), or ``a`` staged in
+    ``scratch`` and a fresh product added (the interpreter takes A from shared memory only and cannot run a
+    pre-initialised accumulator)."""
+    if compiled:
+        def into(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(into)(plgpu.ACC.init(acc))
+    scratch[...] = a
+    plgpu.commit_smem()
+    return acc + _dot(scratch, b, acc.shape)
+
+
+# ---------------------------------------------------------------------------------------------- dK / dV kernel
+def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k_ref, v_ref, do_ref, l2_ref,
+                 delta_ref, *refs, group: int, causal: bool, scale: float, mods: masks.ScoreMods, compiled: bool):
+    refs = list(refs)
+    slopes_ref = refs.pop(0) if mods.alibi else None
+    dk_ref, dv_ref, scoped = refs
+    (k_smem, v_smem, q_smem, do_smem, l2_smem, delta_smem, a_smem), (kv_bar, bars), free = scoped
+    kv_head, tile, wg = lax.axis_index("heads"), lax.axis_index("tile"), lax.axis_index("wg")
+    dtype = q_ref.dtype
+    head_dim = q_ref.shape[-1]
+    b = tile_req_ref[tile]
+    live = b >= 0
+    b = jnp.maximum(b, 0)
+    n = tile_local_ref[tile]
+    first_row = req_tile_ref[b] * BLOCK  # the request's first (re-packed) row
+    seq_len = seq_len_ref[b]
+    k0 = n * BLOCK
+    # The query tiles that may see a key of this tile: causal from its own tile on, a right window (non-causal)
+    # from its first key - right on, a left window up to its last key + left.
+    m_lo = n if causal else jnp.int32(0)
+    if mods.window_right >= 0 and not causal:
+        m_lo = jnp.maximum(k0 - mods.window_right, 0) // BLOCK
+    m_hi = (seq_len + BLOCK - 1) // BLOCK
+    if mods.window_left >= 0:
+        m_hi = jnp.minimum(m_hi, (k0 + BLOCK - 1 + mods.window_left) // BLOCK + 1)
+    num_m = jnp.maximum(m_hi - m_lo, 0)
+    steps = jnp.where(live & (k0 < seq_len), group * num_m, 0)
+
+    def walked(i):  # step i: query head g of the group, query tile m
+        g = lax.div(i, jnp.maximum(num_m, 1))
+        return g, m_lo + lax.rem(i, jnp.maximum(num_m, 1))
+
+    @pl.when(live & (wg == 0))
+    def _compute():
+        plgpu.barrier_wait(kv_bar)
+        zeros = plgpu.layout_cast(jnp.zeros((BLOCK, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+        def step(i, carry):
+            dk, dv = carry
+            g, m = walked(i)
+            slot = lax.rem(i, jnp.int32(SLOTS))
+            plgpu.barrier_wait(bars.at[slot])
+            shape = (BLOCK, BLOCK)  # [keys, queries]
+            st = _dot(k_smem, q_smem.at[slot].transpose((1, 0)), shape)
+            k_pos = _iota(shape, 0) + k0
+            q_pos = _iota(shape, 1) + m * BLOCK
+            slope2 = None
+            if mods.alibi:
+                slope2 = slopes_ref[kv_head * group + g] * softmax.LOG2E
+            s2, ds, visible = _mask_and_scores(st, q_pos, k_pos, seq_len, causal=causal, scale=scale, mods=mods,
+                                               slope2=slope2)
+            l2 = lax.broadcast_in_dim(plgpu.load(l2_smem.at[slot], layout=col_layout), shape, [1])
+            delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=col_layout), shape, [1])
+            pt = jnp.where(visible, jnp.exp2(s2 - l2), 0.0)  # Pᵀ [keys, queries]
+            dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot], a_smem, compiled)
+            dpt = _dot(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
+            dst = pt * (dpt - delta) * ds
+            dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot], a_smem, compiled)
+            pl.when(i + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+            return dk, dv
+
+        dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
+        k_smem[...] = dk.astype(dtype)  # K and V are read for the last time above
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        rows = pl.ds(first_row + k0, BLOCK)
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows, kv_head])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows, kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(live & (wg == 1))
+    def _memory():
+        rows = pl.ds(first_row + k0, BLOCK)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem, kv_bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem, kv_bar)
+
+        def load(i, slot):
+            g, m = walked(i)
+            head = kv_head * group + g
+            q_rows = pl.ds(first_row + m * BLOCK, BLOCK)
+            plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], q_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[q_rows, head], do_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(l2_ref.at[head, q_rows], l2_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[head, q_rows], delta_smem.at[slot], bars.at[slot])
+
+        for i in range(SLOTS):
+            pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
+
+        @pl.loop(0, jnp.maximum(steps - SLOTS, 0))
+        def _refill(i):
+            slot = lax.rem(i, jnp.int32(SLOTS))
+            plgpu.barrier_wait(free.at[slot])
+            load(i + SLOTS, slot)
+
+
+# ---------------------------------------------------------------------------------------------- dQ kernel
+def _dq_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k_ref, v_ref, do_ref, l2_ref,
+               delta_ref, *refs, group: int, causal: bool, scale: float, mods: masks.ScoreMods, compiled: bool):
+    refs = list(refs)
+    slopes_ref = refs.pop(0) if mods.alibi else None
+    dq_ref, scoped = refs
+    (q_smem, do_smem, l2_smem, delta_smem, k_smem, v_smem, a_smem), (q_bar, bars), free = scoped
+    head, tile, wg = lax.axis_index("heads"), lax.axis_index("tile"), lax.axis_index("wg")
+    kv_head = lax.div(head, jnp.int32(group))
+    dtype = q_ref.dtype
+    head_dim = q_ref.shape[-1]
+    b = tile_req_ref[tile]
+    live = b >= 0
+    b = jnp.maximum(b, 0)
+    m = tile_local_ref[tile]
+    first_row = req_tile_ref[b] * BLOCK
+    seq_len = seq_len_ref[b]
+    q0 = m * BLOCK
+    # The key tiles this query tile sees: causal up to its own, a right window (non-causal) up to its last
+    # query + right, a left window from its first query - left on.
+    n_hi = (seq_len + BLOCK - 1) // BLOCK
+    if causal:
+        n_hi = jnp.minimum(n_hi, m + 1)
+    elif mods.window_right >= 0:
+        n_hi = jnp.minimum(n_hi, (q0 + BLOCK - 1 + mods.window_right) // BLOCK + 1)
+    n_lo = jnp.int32(0)
+    if mods.window_left >= 0:
+        n_lo = jnp.maximum(q0 - mods.window_left, 0) // BLOCK
+    steps = jnp.where(live & (q0 < seq_len), jnp.maximum(n_hi - n_lo, 0), 0)
+
+    @pl.when(live & (wg == 0))
+    def _compute():
+        q_rows = pl.ds(first_row + q0, BLOCK)
+        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(do_ref.at[q_rows, head], do_smem, q_bar)
+        plgpu.copy_gmem_to_smem(l2_ref.at[head, q_rows], l2_smem, q_bar)
+        plgpu.copy_gmem_to_smem(delta_ref.at[head, q_rows], delta_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        shape = (BLOCK, BLOCK)  # [queries, keys]
+        l2 = lax.broadcast_in_dim(plgpu.load(l2_smem, layout=row_layout), shape, [0])
+        delta = lax.broadcast_in_dim(plgpu.load(delta_smem, layout=row_layout), shape, [0])
+        slope2 = slopes_ref[head] * softmax.LOG2E if mods.alibi else None
+
+        def step(j, dq):
+            n = n_lo + j
+            slot = lax.rem(j, jnp.int32(SLOTS))
+            plgpu.barrier_wait(bars.at[slot])
+            s = _dot(q_smem, k_smem.at[slot].transpose((1, 0)), shape)
+            q_pos = _iota(shape, 0) + q0
+            k_pos = _iota(shape, 1) + n * BLOCK
+            s2, ds, visible = _mask_and_scores(s, q_pos, k_pos, seq_len, causal=causal, scale=scale, mods=mods,
+                                               slope2=slope2)
+            p = jnp.where(visible, jnp.exp2(s2 - l2), 0.0)
+            dp = _dot(do_smem, v_smem.at[slot].transpose((1, 0)), shape)
+            dsc = p * (dp - delta) * ds
+            dq = _accumulate(dq, dsc.astype(dtype), k_smem.at[slot], a_smem, compiled)
+            pl.when(j + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+            return dq
+
+        zeros = plgpu.layout_cast(jnp.zeros((BLOCK, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dq = lax.fori_loop(0, steps, step, zeros)
+        q_smem[...] = dq.astype(q_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[q_rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(live & (wg == 1))
+    def _memory():
+        def load(j, slot):
+            rows = pl.ds(first_row + (n_lo + j) * BLOCK, BLOCK)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], bars.at[slot])
+
+        for i in range(SLOTS):
+            pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
+
+        @pl.loop(0, jnp.maximum(steps - SLOTS, 0))
+        def _refill(j):
+            slot = lax.rem(j, jnp.int32(SLOTS))
+            plgpu.barrier_wait(free.at[slot])
+            load(j + SLOTS, slot)
+
+
+# -------------------------------------------------------------------------------------------- the calls
+def _repack(cu_seqlens, num_tokens: int, max_seqlen: int):
+    """Where each request's rows go so that it starts on a 64-row tile: ``(src i32[T'], tile_req i32[T' / 64],
+    tile_local i32[T' / 64], req_tile i32[S], seq_len i32[S], dst i32[T])`` with ``T' = T + 63 · S`` rounded up to
+    a tile. ``src[r]``: the packed row re-packed row ``r`` holds (-1: a zero row); ``dst[t]``: the re-packed row
+    of packed row ``t`` (-1: a row no request computes: padding, or past ``max_seqlen``)."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    total = -(-(num_tokens + (BLOCK - 1) * num_seqs) // BLOCK) * BLOCK
+    cu = metadata.clamp_cu(cu_seqlens, num_tokens)
+    seq_len = jnp.minimum(cu[1:] - cu[:-1], max_seqlen)  # a longer request is truncated, as the forward reads it
+    req_tiles = (seq_len + BLOCK - 1) // BLOCK
+    tile_req, tile_local, cu_tiles = metadata.segment_items(req_tiles, total // BLOCK)
+    rows = jnp.arange(total, dtype=jnp.int32)
+    row_req = tile_req[rows // BLOCK]
+    local = rows - cu_tiles[jnp.maximum(row_req, 0)] * BLOCK
+    src = jnp.where((row_req >= 0) & (local < seq_len[jnp.maximum(row_req, 0)]),
+                    cu[jnp.maximum(row_req, 0)] + local, -1)
+    req = metadata.token_requests(cu, num_tokens)
+    t_local = jnp.arange(num_tokens, dtype=jnp.int32) - cu[jnp.maximum(req, 0)]
+    owned = (req >= 0) & (t_local < max_seqlen)
+    dst = jnp.where(owned, cu_tiles[jnp.maximum(req, 0)] * BLOCK + t_local, -1)
+    return src, tile_req, tile_local, cu_tiles[:-1], seq_len, dst
+
+
+def _gather_rows(x, src, fill=0.0):
+    """``x`` re-packed along its row axis 0: ``x[src]``, ``fill`` where ``src < 0``."""
+    picked = x[jnp.maximum(src, 0)]
+    return jnp.where((src >= 0).reshape(-1, *[1] * (x.ndim - 1)), picked, jnp.asarray(fill, x.dtype))
+
+
+def varlen_attention_bwd_mosaic(q, k, v, cu_seqlens, do, l2, delta, alibi_slopes=None, *, max_seqlen: int,
+                                causal: bool, scale: float, interpret: bool, mods: masks.ScoreMods = masks.NO_MODS):
+    """``(dq [T, Hq, D], dk [T, Hkv, D], dv [T, Hkv, D])`` in float32 for the rows the kernels own; the contract of
+    :func:`pallas_attn.kernels.triton.prefill_bwd.varlen_attention_bwd_triton` (other rows are zeros here)."""
+    reason = supported(q)
+    if reason is not None:
+        raise ValueError(f"the Mosaic varlen backward does not support {reason}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    src, tile_req, tile_local, req_tile, seq_len, dst = _repack(cu_seqlens, num_tokens, max_seqlen)
+    num_tiles = tile_req.shape[0]
+    qp, kp, vp, dop = (_gather_rows(x, src) for x in (q, k, v, do))
+    l2p = _gather_rows(l2, src, jnp.inf).T  # [Hq, T']: a query tile's 64 values are one contiguous TMA
+    deltap = _gather_rows(delta, src).T
+    features = [alibi_slopes.astype(jnp.float32)] if alibi_slopes is not None else []
+    args = (tile_req, tile_local, req_tile, seq_len, qp, kp, vp, dop, l2p, deltap, *features)
+    tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
+    tile = plgpu.SMEM((BLOCK, head_dim), q.dtype, **tiled)
+    ring = plgpu.SMEM((SLOTS, BLOCK, head_dim), q.dtype, **tiled)
+    a_tile = plgpu.SMEM((BLOCK, BLOCK), q.dtype, **tiled) if interpret else None  # the interpreter's A operands
+    common = dict(group=group, causal=causal, scale=scale, mods=mods, compiled=not interpret)
+    interpret_params = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret_params = InterpretGPUParams()
+    kernel = functools.partial(plgpu.kernel, num_threads=2, thread_name="wg", interpret=interpret_params,
+                               compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))
+
+    dkdv_scratch = ((tile, tile, ring, ring, plgpu.SMEM((SLOTS, BLOCK), jnp.float32),
+                     plgpu.SMEM((SLOTS, BLOCK), jnp.float32), a_tile),
+                    (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=4, num_barriers=SLOTS)),
+                    plgpu.Barrier(num_barriers=SLOTS))
+    dkdv_body = functools.partial(_dkdv_kernel, **common)
+
+    def dkdv_kernel(*refs):
+        pl.run_scoped(lambda *s: dkdv_body(*refs, s), *dkdv_scratch, collective_axes="wg")
+
+    kv_rows = jax.ShapeDtypeStruct(kp.shape, q.dtype)
+    dk, dv = kernel(dkdv_kernel, out_type=[kv_rows, kv_rows], grid=(num_kv_heads, num_tiles),
+                    grid_names=("heads", "tile"))(*args)
+
+    dq_scratch = ((tile, tile, plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), ring, ring,
+                   a_tile),
+                  (plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS)),
+                  plgpu.Barrier(num_barriers=SLOTS))
+    dq_body = functools.partial(_dq_kernel, **common)
+
+    def dq_kernel(*refs):
+        pl.run_scoped(lambda *s: dq_body(*refs, s), *dq_scratch, collective_axes="wg")
+
+    dq = kernel(dq_kernel, out_type=jax.ShapeDtypeStruct(qp.shape, q.dtype), grid=(num_q_heads, num_tiles),
+                grid_names=("heads", "tile"))(*args)
+    back = lambda x: _gather_rows(x, dst).astype(jnp.float32)  # noqa: E731  re-packed rows → packed rows
+    return back(dq), back(dk), back(dv)
