@@ -96,10 +96,10 @@ def _differentiable(forward, *, return_lse: bool, max_seqlen: int, causal: bool,
     """``forward(..., return_lse=)`` (a kernel on ``(q, k, v, cu_seqlens, alibi_slopes, sinks)`` returning
     ``(out, lse | None)``) under :func:`jax.custom_vjp`, returning ``(out, lse)``. A plain call runs the kernel as
     asked (the LSE only with ``return_lse``; else a placeholder, dropped by the caller); under differentiation the
-    forward also computes the LSE and saves it with ``out``, and the backward runs the Triton kernels of
-    :mod:`pallas_attn.kernels.triton.prefill_bwd` (the docstring there has the formulas). Gradients reach q, k, v
-    and the sinks; a cotangent on the returned LSE is honoured. ``backward_backend``: "triton" or "mosaic" (the
-    kernels of :mod:`pallas_attn.kernels.mosaic.prefill_bwd`, same contract)."""
+    forward also computes the LSE and saves it with ``out``, and the backward runs ``backward_backend``'s kernels:
+    "triton", :mod:`pallas_attn.kernels.triton.prefill_bwd` (the docstring there has the formulas), or "mosaic",
+    :mod:`pallas_attn.kernels.mosaic.prefill_bwd` (the same contract). Gradients reach q, k, v and the sinks; a
+    cotangent on the returned LSE is honoured."""
 
     @jax.custom_vjp
     def attention(q, k, v, cu_seqlens, alibi_slopes, sinks):
