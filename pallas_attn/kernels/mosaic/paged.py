@@ -1,7 +1,7 @@
 """Ragged paged attention on the Mosaic GPU backend (Hopper: wgmma, TMA page copies, warp specialisation).
 
 The same contract as :mod:`pallas_attn.kernels.triton.paged` — decode, verification, chunked and fresh prefill
-of many requests in one launch over a paged K/V cache — for the backend JAX keeps (the Pallas Triton backend is
+of many requests in one call over a paged K/V cache — for the backend JAX keeps (the Pallas Triton backend is
 deprecated since JAX 0.11). :func:`pallas_attn.paged_attention` and :func:`pallas_attn.paged_decode_attention`
 run it with ``backend="mosaic"``, and by default where the Pallas Triton backend is gone.
 
@@ -12,13 +12,15 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
 * two warpgroups. The **memory** warpgroup reads the block table in the kernel and brings each 64-key tile of K and
   V into a ring of shared-memory slots with TMA: one copy where a page holds the whole tile (``block_size`` a
   multiple of 64), one per page otherwise (``block_size`` 8, 16 or 32). A page that is not the request's — past
-  its keys, wholly before its window, or an id outside the pool — is never copied (the copy is predicated off and
-  arrives with no bytes). The **compute** warpgroup runs ``S = Q Kᵀ``, the online softmax in registers (exp2, the
-  scale folded into its FMA) and ``O += P V``, and releases each slot to the memory warpgroup.
+  its keys, wholly before its window, or an id outside the pool — is never copied (the memory warpgroup arrives
+  on the slot's barrier without bytes instead). The **compute** warpgroup runs ``S = Q Kᵀ``, the online softmax
+  in registers (exp2, the scale folded into its FMA) and ``O += P V``, and releases each slot to the memory
+  warpgroup.
 * isolation (docs/design.md#isolation-whatever-the-inputs): a tile with a key the rows may not read — past the
   request's length, before its window, on a page not copied — masks those scores and zeroes those rows of V in
   shared memory before ``P V`` (``0 · NaN`` is NaN: a neighbour's NaN or a stale slot must meet zeros). Tiles
-  wholly inside the request's keys, the common case, carry no such code.
+  wholly inside the request's keys, the common case, skip the zeroing (a branch on one scalar); their scores pass
+  one select on their pages' ids.
 * the tile plan is the Triton kernels' (:func:`pallas_attn.core.tiles.paged_tile_plan`): tiles before a window
   are never loaded, the causal and window edges are masked, the rest run unmasked; split-KV shares the tiles out
   by count or by a fixed ``split_size`` (batch invariant). Soft-cap, ALiBi and sinks are applied in registers;
@@ -26,8 +28,8 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
 * outputs go out as whole tiles, ``[splits, blocks, Hkv, rows, D]`` in q's dtype (split partials too, as the
   Mosaic MLA kernel's: the merge adds their rounding, ~2^-9 relative in bf16) and an LSE ``[splits, blocks, Hkv,
   rows]``, one TMA store each; the wrapper gathers the token rows (padding rows: 0 and -inf) and merges split
-  partials with :func:`pallas_attn.core.softmax.merge_split_outputs`.
-
+  partials with :func:`pallas_attn.core.softmax.merge_split_outputs`. A batch with prefill chunks runs two launches,
+  short queries and chunks, each with its own split plan (as the Triton kernel's).
 * FP8 caches (per-tensor scales): pages land as stored and the compute warpgroup widens each tile to 16 bits in
   shared memory (wgmma takes no mixed operands; docs/design.md#fp8-kv-caches), freeing the FP8 slot at once; the K
   scale multiplies the raw scores, the V scale the normalised output.
