@@ -8,21 +8,27 @@ NaN. One tolerance table: :data:`pallas_attn.testing.TOLERANCES`.
 from __future__ import annotations
 
 import gc
+import os
 import zlib
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
-
-from pallas_attn.core import backend
-from pallas_attn.testing import TOLERANCES  # noqa: F401  (the one tolerance table)
-
 # The Mosaic GPU interpreter runs a kernel's warpgroups as threads, each executing its own XLA program whose
-# callbacks wait on the kernel's barriers. With asynchronous dispatch those programs queue on the CPU client's
-# worker pool, as many workers as cores: on a 2-core machine two warpgroups can hold both workers waiting for two
-# that never start, a deadlock. Run them inline, each on its own thread; set before JAX starts its CPU client
-# (tests/test_no_triton.py's child process does the same).
+# callbacks wait on the kernel's barriers; some of those callbacks run on the CPU client's thread pool, as many
+# workers as cores. On a 2-core machine a kernel's outer callback and one warpgroup waiting at a barrier can hold
+# both workers while the warpgroup that would release it waits for one: a deadlock, now and then (with
+# PJRT_NPROC=1, every time). PJRT_NPROC sizes that pool; it must be set before JAX starts its CPU client, and the
+# subprocesses of the tests inherit it.
+os.environ.setdefault("PJRT_NPROC", "32")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pallas_attn.core import backend  # noqa: E402
+from pallas_attn.testing import TOLERANCES  # noqa: E402, F401  (the one tolerance table)
+
+# With asynchronous dispatch the warpgroups' programs themselves queue on that pool too: run them inline, each on
+# its own thread (tests/test_no_triton.py's child process does the same).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 ON_GPU = backend.on_gpu()
 
