@@ -94,13 +94,27 @@ class ScoreMods:
 
     def window_mask(self, q_pos, k_pos):
         """``[M, N]`` bool, or None without a window: ``q - left <= k <= q + right``."""
+        return self.window(q_pos[:, None], k_pos[None, :])
+
+    def window(self, q_pos, k_pos):
+        """:meth:`window_mask` on positions already laid out as the scores are (broadcastable arrays: the Mosaic GPU
+        kernels' iotas in the wgmma register layout), or None without a window."""
         mask = None
         if self.window_left >= 0:
-            mask = k_pos[None, :] >= q_pos[:, None] - self.window_left
+            mask = k_pos >= q_pos - self.window_left
         if self.window_right >= 0:
-            right = k_pos[None, :] <= q_pos[:, None] + self.window_right
+            right = k_pos <= q_pos + self.window_right
             mask = right if mask is None else mask & right
         return mask
+
+    def base2_with_derivative(self, raw, scale: float):
+        """``(s2, ds)`` for the backward passes: the base-2 scores of raw ``q·k`` before ALiBi (soft-capped as
+        :meth:`scores` does) and ``ds``, the derivative of the natural-log score by the raw product (a scalar
+        without a soft-cap). ALiBi adds a constant: no term in ``ds``."""
+        if self.softcap > 0:
+            t = jnp.tanh(raw * (scale / self.softcap))
+            return t * (self.softcap * softmax.LOG2E), scale * (1.0 - t * t)
+        return raw * (scale * softmax.LOG2E), scale
 
 
 NO_MODS = ScoreMods()  # plain attention: every feature off

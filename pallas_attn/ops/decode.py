@@ -106,9 +106,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
                              return_lse=return_lse, interpret=interpret, name="paged_decode_attention",
                              kv_scales=tiles.kv_scale_args(scale_mode, k_scale, v_scale))
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
-    keys = block_tables.shape[1] * k_cache.shape[1]  # the most keys a request reads: the table, or the window
-    if mods.window_left >= 0:
-        keys = min(keys, mods.window_left + 1 + cfg.block_n)  # a window straddles one more tile
+    keys = paged.keys_read(block_tables, k_cache, mods, 1, cfg.block_n)
     splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2], keys, cfg.block_n, num_splits,
                                                    split_size)
     if 0 in (q.shape[0], block_tables.shape[1], k_cache.shape[0]):  # no request, no page: no key, no kernel

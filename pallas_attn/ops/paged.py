@@ -56,6 +56,15 @@ def select_backend(function: str, backend: str | None, q, k_cache, split_size: i
                                       function=function)
 
 
+def keys_read(block_tables, k_cache, mods: masks.ScoreMods, max_query_len: int, block_n: int) -> int:
+    """The most keys a query block reads, for the split heuristics: the table's capacity, or with a left window the
+    window of ``max_query_len`` queries plus the one more ``block_n``-key tile a window straddles."""
+    keys = block_tables.shape[1] * k_cache.shape[1]
+    if mods.window_left >= 0:
+        keys = min(keys, mods.window_left + max_query_len + block_n)
+    return keys
+
+
 @common.front(arrays=("q", "k_cache", "v_cache", "alibi_slopes", "sinks"),
               int_arrays=("block_tables", "seq_lens", "cu_query_lens"),
               statics=dict(max_query_len=validation.check_static_int, softmax_scale=validation.check_softmax_scale,
@@ -140,9 +149,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
                          f"chunk_config.block_n={chunk_cfg.block_n}) when max_query_len={max_query_len} > "
                          f"{triton_paged.SHORT_QUERY_LEN}; pass a larger split_size or a chunk_config with a smaller "
                          f"block_n")
-    keys = block_tables.shape[1] * k_cache.shape[1]  # the most keys a query block reads: the table, or the window
-    if mods.window_left >= 0:  # a window straddles one more tile
-        keys = min(keys, mods.window_left + max_query_len + max(cfg.block_n, chunk_cfg.block_n))
+    keys = keys_read(block_tables, k_cache, mods, max_query_len, max(cfg.block_n, chunk_cfg.block_n))
     short_splits = None
     if two_pass and num_splits is None and split_size is None:
         short_splits, chunk_splits = triton_paged.launch_splits(q.shape, q.dtype.itemsize, k_cache.shape,
@@ -174,9 +181,7 @@ def _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_sl
     balance included; chunks only when their programs cannot fill the GPU); a split given: one plan for both."""
     block_n = mosaic_paged.BLOCK_N
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
-    keys = block_tables.shape[1] * k_cache.shape[1]  # the most keys a query block reads: the table, or the window
-    if mods.window_left >= 0:
-        keys = min(keys, mods.window_left + max_query_len + block_n)
+    keys = keys_read(block_tables, k_cache, mods, max_query_len, block_n)
     block_q = mosaic_paged.query_block_tokens(max_query_len, q.shape[1] // num_kv_heads)
     short_splits = None
     if max_query_len > mosaic_paged.SHORT_QUERY_LEN and num_splits is None and split_size is None:

@@ -239,11 +239,8 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                 s = s + lax.broadcast_in_dim(slope, s.shape, [0]) * (k_pos - q_pos).astype(jnp.float32)
             if masked:  # causal, window and length edges, pages not copied
                 visible = key_ok(j, k_pos, tile_pages) & (k_pos <= q_pos)
-                if mods.window_left >= 0:
-                    visible &= k_pos >= q_pos - mods.window_left
-                if mods.window_right >= 0:
-                    visible &= k_pos <= q_pos + mods.window_right
-                s = jnp.where(visible, s, -jnp.inf)
+                window = mods.window(q_pos, k_pos)
+                s = jnp.where(visible if window is None else visible & window, s, -jnp.inf)
             else:  # every key is the request's and every row sees it; a page id outside the pool is still masked
                 s = jnp.where(key_ok(j, k_pos, tile_pages), s, -jnp.inf)
             m_i, alpha, p16, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, 1, scale=exp_scale)

@@ -62,21 +62,14 @@ def _mask_and_scores(raw, q_pos, k_pos, seq_len, *, causal: bool, scale: float, 
     """``(s2, ds, visible)`` of a ``raw = q·k`` tile whose element positions are ``q_pos`` / ``k_pos`` (arrays of
     raw's shape, any orientation): base-2 scores, the derivative of the natural-log score by ``raw`` and the
     forward's mask."""
-    if mods.softcap > 0:
-        t = jnp.tanh(raw * (scale / mods.softcap))
-        s2, ds = t * (mods.softcap * softmax.LOG2E), scale * (1.0 - t * t)
-    else:
-        s2, ds = raw * (scale * softmax.LOG2E), scale
+    s2, ds = mods.base2_with_derivative(raw, scale)
     if mods.alibi:
         s2 = s2 + slope2 * (k_pos - q_pos).astype(jnp.float32)
     visible = (k_pos < seq_len) & (q_pos < seq_len)
     if causal:
         visible &= k_pos <= q_pos
-    if mods.window_left >= 0:
-        visible &= k_pos >= q_pos - mods.window_left
-    if mods.window_right >= 0:
-        visible &= k_pos <= q_pos + mods.window_right
-    return s2, ds, visible
+    window = mods.window(q_pos, k_pos)
+    return s2, ds, visible if window is None else visible & window
 
 
 def _iota(shape, dim):
@@ -104,6 +97,19 @@ def _accumulate(acc, a, b, scratch, compiled: bool):
     scratch[...] = a
     plgpu.commit_smem()
     return acc + _dot(scratch, b, acc.shape)
+
+
+def _stream(steps, load, free):
+    """The memory warpgroup's loop of both kernels: ``load(i, slot)`` for step ``i`` of ``steps`` into ring slot
+    ``i % SLOTS``, the first ``SLOTS`` at once, each later one once the compute warpgroup freed its slot."""
+    for i in range(SLOTS):
+        pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
+
+    @pl.loop(0, jnp.maximum(steps - SLOTS, 0))
+    def _refill(i):
+        slot = lax.rem(i, jnp.int32(SLOTS))
+        plgpu.barrier_wait(free.at[slot])
+        load(i + SLOTS, slot)
 
 
 # ---------------------------------------------------------------------------------------------- dK / dV kernel
@@ -192,14 +198,7 @@ def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref,
             plgpu.copy_gmem_to_smem(l2_ref.at[head, q_rows], l2_smem.at[slot], bars.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[head, q_rows], delta_smem.at[slot], bars.at[slot])
 
-        for i in range(SLOTS):
-            pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
-
-        @pl.loop(0, jnp.maximum(steps - SLOTS, 0))
-        def _refill(i):
-            slot = lax.rem(i, jnp.int32(SLOTS))
-            plgpu.barrier_wait(free.at[slot])
-            load(i + SLOTS, slot)
+        _stream(steps, load, free)
 
 
 # ---------------------------------------------------------------------------------------------- dQ kernel
@@ -276,14 +275,7 @@ def _dq_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k
             plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], bars.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], bars.at[slot])
 
-        for i in range(SLOTS):
-            pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
-
-        @pl.loop(0, jnp.maximum(steps - SLOTS, 0))
-        def _refill(j):
-            slot = lax.rem(j, jnp.int32(SLOTS))
-            plgpu.barrier_wait(free.at[slot])
-            load(j + SLOTS, slot)
+        _stream(steps, load, free)
 
 
 # -------------------------------------------------------------------------------------------- the calls

@@ -39,11 +39,7 @@ from pallas_attn.core.backend import pallas_triton as plgpu  # None without the 
 def _scores(raw, *, scale: float, mods: masks.ScoreMods, q_pos, k_pos, slope2):
     """``(s2, ds)``: the base-2 scores of raw ``q·k`` (``[M, N]``, as the forward's :meth:`ScoreMods.scores`) and
     ``ds``, the derivative of the natural-log score by the raw product (a scalar without a soft-cap)."""
-    if mods.softcap > 0:
-        t = jnp.tanh(raw * (scale / mods.softcap))
-        s2, ds = t * (mods.softcap * softmax.LOG2E), scale * (1.0 - t * t)
-    else:
-        s2, ds = raw * (scale * softmax.LOG2E), scale
+    s2, ds = mods.base2_with_derivative(raw, scale)
     if mods.alibi:
         s2 = s2 + slope2[:, None] * (k_pos[None, :] - q_pos[:, None]).astype(jnp.float32)
     return s2, ds
