@@ -249,6 +249,19 @@ def test_sparse_index_past_seq_len_is_ignored(rng):
 
 
 # ------------------------------------------------------------------------------------------------ property
+def draw_corruption(data, seq_lens, block_tables):
+    """Hypothesis: some requests get any int32 length and table row. ``(seq_lens, block_tables, clean requests)``."""
+    num_seqs, max_blocks = block_tables.shape
+    bad = data.draw(st.lists(st.booleans(), min_size=num_seqs, max_size=num_seqs))
+    sl_bad, bt_bad = np.asarray(seq_lens).copy(), np.asarray(block_tables).copy()
+    for b, is_bad in enumerate(bad):
+        if is_bad:
+            sl_bad[b] = data.draw(st.integers(-(2**31), 2**31 - 1))
+            bt_bad[b] = data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=max_blocks,
+                                           max_size=max_blocks))
+    return jnp.asarray(sl_bad), jnp.asarray(bt_bad), [b for b, is_bad in enumerate(bad) if not is_bad]
+
+
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_decode_any_tables_and_lengths(data):
@@ -260,17 +273,11 @@ def test_decode_any_tables_and_lengths(data):
     q = jnp.asarray(rng.standard_normal((len(lens), 2, 16)), F32)
     sl = jnp.asarray(lens, jnp.int32)
     clean = paged_decode_attention(q, kc, vc, bt, sl, num_splits=1, config=SMALL)
-    bad = data.draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens)))
-    sl_bad, bt_bad = np.asarray(sl).copy(), np.asarray(bt).copy()
-    for b, is_bad in enumerate(bad):
-        if is_bad:
-            sl_bad[b] = data.draw(st.integers(-(2**31), 2**31 - 1))
-            bt_bad[b] = data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=6, max_size=6))
-    out = paged_decode_attention(q, kc, vc, jnp.asarray(bt_bad), jnp.asarray(sl_bad), num_splits=1, config=SMALL)
-    good = [b for b, is_bad in enumerate(bad) if not is_bad]
+    sl_bad, bt_bad, good = draw_corruption(data, sl, bt)
+    out = paged_decode_attention(q, kc, vc, bt_bad, sl_bad, num_splits=1, config=SMALL)
     _no_nan(np.asarray(out)[good])
     _rows_equal(out, clean, good)
-    _like_reference(out, reference.paged_decode_attention(q, kc, vc, jnp.asarray(bt_bad), jnp.asarray(sl_bad)))
+    _like_reference(out, reference.paged_decode_attention(q, kc, vc, bt_bad, sl_bad))
 
 
 def test_no_nan_from_unwritten_rows_under_jit(rng):

@@ -16,6 +16,8 @@ from pallas_attn import DecodeConfig, paged_attention, paged_decode_attention, r
 from pallas_attn.kernels.mosaic import paged as mosaic_paged
 from pallas_attn.testing import assert_attention_close, make_paged_kv
 
+from .test_isolation import draw_corruption
+
 BF16 = jnp.bfloat16
 MOSAIC = dict(backend="mosaic")
 pytestmark = pytest.mark.timeout(300, method="thread")
@@ -137,15 +139,9 @@ def test_any_tables_and_lengths(data):
     q = jnp.asarray(rng.standard_normal((len(lens), 2, 64)), BF16)
     sl = jnp.asarray(lens, jnp.int32)
     clean = np.asarray(paged_decode_attention(q, kc, vc, bt, sl, **MOSAIC), np.float32)
-    bad = data.draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens)))
-    sl_bad, bt_bad = np.asarray(sl).copy(), np.asarray(bt).copy()
-    for b, is_bad in enumerate(bad):
-        if is_bad:
-            sl_bad[b] = data.draw(st.integers(-(2**31), 2**31 - 1))
-            bt_bad[b] = data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=6, max_size=6))
-    args = (q, kc, vc, jnp.asarray(bt_bad), jnp.asarray(sl_bad))
+    sl_bad, bt_bad, good = draw_corruption(data, sl, bt)
+    args = (q, kc, vc, bt_bad, sl_bad)
     out = np.asarray(paged_decode_attention(*args, **MOSAIC), np.float32)
-    good = [b for b, is_bad in enumerate(bad) if not is_bad]
     assert not np.isnan(out[good]).any()
     np.testing.assert_array_equal(out[good], clean[good])
     ref = np.asarray(reference.paged_decode_attention(*args), np.float32)
