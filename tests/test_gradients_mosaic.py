@@ -128,3 +128,23 @@ def test_repack_puts_every_request_on_a_tile():
     assert np.all(dst[175:] == -1)  # past max_seqlen, and padding
     np.testing.assert_array_equal(np.asarray(tile_req)[:5], [0, 0, 2, 3, 3])
     np.testing.assert_array_equal(np.asarray(tile_local)[:5], [0, 1, 0, 0, 1])
+
+
+@pytest.mark.parametrize("hopper, interpret, triton, dtype, head_dim, config, expected", [
+    (True, False, True, BF16, 128, None, "mosaic"),  # measured faster on the H200 (docs/performance.md)
+    (True, False, True, jnp.float16, 64, None, "mosaic"),
+    (True, False, True, BF16, 256, None, "triton"),  # the Mosaic backward runs 64 and 128
+    (True, False, True, jnp.float32, 128, None, "triton"),
+    (True, False, True, BF16, 128, PrefillConfig(block_m=32, block_n=32), "triton"),  # the Triton kernels' tiles
+    (True, True, True, BF16, 128, None, "triton"),  # interpret mode
+    (False, False, True, BF16, 128, None, "triton"),  # not sm_90
+    (False, True, False, BF16, 128, None, "mosaic"),  # the Pallas Triton backend gone
+])
+def test_default_backward_backend_rule(monkeypatch, hopper, interpret, triton, dtype, head_dim, config, expected):
+    """``backward_backend=None``: the Mosaic backward where it applies on a compiled Hopper GPU, else Triton."""
+    from pallas_attn.core import backend
+    from pallas_attn.ops import varlen as ops
+    monkeypatch.setattr(backend, "is_hopper", lambda: hopper)
+    monkeypatch.setattr(backend, "triton_available", lambda: triton)
+    q = jax.ShapeDtypeStruct((16, 4, head_dim), dtype)
+    assert ops.backward_backend_for(q, None, config, interpret) == expected

@@ -71,11 +71,13 @@ def _owned_rows(cu_seqlens, num_tokens: int, max_seqlen: int):
     return (req >= 0) & (local < max_seqlen)
 
 
-def backward_backend_for(q, requested: str | None, backward_config) -> str:
-    """The backward pass's backend: ``requested`` ("triton" / "mosaic") checked, or with None the Triton kernels
-    while JAX ships their backend (measured on no GPU yet against the Mosaic ones: docs/performance.md#varlen-
-    backward), else the Mosaic kernels where they apply. Raises ``ValueError`` naming the argument at trace time;
-    where neither applies, the backward raises :class:`pallas_attn.BackendUnavailableError`."""
+def backward_backend_for(q, requested: str | None, backward_config, interpret: bool = False) -> str:
+    """The backward pass's backend: ``requested`` ("triton" / "mosaic") checked, or with None the Mosaic kernels
+    where they apply, on a compiled Hopper GPU (they ran P1's and P2's training steps 1.3-1.4x faster than the
+    Triton ones on the H200: docs/performance.md#varlen-backward) or wherever JAX no longer ships the Pallas Triton
+    backend; else Triton. A ``backward_config`` (the Triton kernels' tiles) and interpret mode keep Triton. Raises
+    ``ValueError`` naming the argument at trace time; where neither applies, the backward raises
+    :class:`pallas_attn.BackendUnavailableError`."""
     if requested not in (None, *backend_lib.BACKENDS):
         raise ValueError(f"backward_backend must be one of {backend_lib.BACKENDS} or None; got {requested!r}")
     reason = mosaic_prefill_bwd.supported(q)
@@ -86,7 +88,8 @@ def backward_backend_for(q, requested: str | None, backward_config) -> str:
         if reason is not None:
             raise ValueError(f"backward_backend='mosaic' does not support {reason}; pass backward_backend='triton'")
         return "mosaic"
-    if requested is None and not backend_lib.triton_available() and reason is None and backward_config is None:
+    if (requested is None and reason is None and backward_config is None
+            and ((backend_lib.is_hopper() and not interpret) or not backend_lib.triton_available())):
         return "mosaic"
     return "triton"
 
@@ -199,7 +202,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         default_backward_config`.
       backward_backend: "triton" or "mosaic": the backward pass's kernels, whichever the forward's
         (:mod:`pallas_attn.kernels.mosaic.prefill_bwd`: bf16/fp16, head dims 64 and 128; otherwise ``ValueError``
-        naming head_dim or dtype). None: Triton while JAX ships its backend, else Mosaic where it applies.
+        naming head_dim or dtype). None: Mosaic where it applies on Hopper (and wherever the Pallas Triton
+        backend is gone), else Triton.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked). Array arguments may be
@@ -241,6 +245,6 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
     attention = _differentiable(run, return_lse=return_lse, max_seqlen=max_seqlen, causal=causal, scale=float(scale),
                                 interpret=interpret, mods=mods,
                                 cfg=backward_config or config_lib.default_backward_config(q.shape[-1]),
-                                backward_backend=backward_backend_for(q, backward_backend, backward_config))
+                                backward_backend=backward_backend_for(q, backward_backend, backward_config, interpret))
     out, lse = attention(q, k, v, cu_seqlens, alibi_slopes, sinks)
     return (out, lse) if return_lse else out
