@@ -279,6 +279,18 @@ def query_for_cache(q, fp8: str | None, scale):
     return (parts if isinstance(q, tuple) else parts[0]), scale / shift
 
 
+def query_rows_for_cache(q):
+    """``(q16 [T, Hq, D] fp16, shift f32[T])``: each token's query rows times the power of two that puts the token's
+    largest magnitude in ``[2**14, 2**15)`` (as :func:`query_for_cache` does for a tile), for a kernel whose
+    operands are fp16 over an FP8 cache; the scores of token ``t`` are then ``shift[t]`` times too large. Per
+    token, so that one token's values (a NaN, a huge row) change only its own rows."""
+    top = jnp.max(jnp.abs(q.astype(jnp.float32)), axis=tuple(range(1, q.ndim)))
+    usable = jnp.isfinite(top) & (top > 0)
+    exponent = jnp.where(usable, jnp.floor(jnp.log2(jnp.where(usable, top, 1.0))), 0.0)
+    shift = jnp.exp2(FP8_QUERY_TOP - exponent)
+    return (q.astype(jnp.float32) * shift.reshape(-1, *[1] * (q.ndim - 1))).astype(jnp.float16), shift
+
+
 def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, kv_head, *, cols: Cols,
                   block_n: int, block_size: int, num_kv_heads: int, num_pages: int, scale: float, dot,
                   mods: masks.ScoreMods = masks.NO_MODS, slope2=None, kv_first=None, fp8: str | None = None,

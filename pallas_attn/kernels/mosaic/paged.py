@@ -30,9 +30,11 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   rows]``, one TMA store each; the wrapper gathers the token rows (padding rows: 0 and -inf) and merges split
   partials with :func:`pallas_attn.core.softmax.merge_split_outputs`. A batch with prefill chunks runs two launches,
   short queries and chunks, each with its own split plan (as the Triton kernel's).
-* FP8 caches (per-tensor scales): pages land as stored and the compute warpgroup widens each tile to 16 bits in
-  shared memory (wgmma takes no mixed operands; docs/design.md#fp8-kv-caches), freeing the FP8 slot at once; the K
-  scale multiplies the raw scores, the V scale the normalised output.
+* FP8 caches (per-tensor scales): the kernel runs in fp16. Pages land as stored and the compute warpgroup widens
+  each tile to fp16 in shared memory (one conversion per pair of values; wgmma takes no mixed operands:
+  docs/design.md#fp8-kv-caches), freeing the FP8 slot at once; each token's query comes in shifted by a power of
+  two into fp16's range, whose inverse and the K scale multiply its raw scores; the V scale multiplies the fp16
+  output once, outside.
 
 Head dims 64, 128 and 256, bf16 / fp16 queries over a cache of q's dtype or FP8, page sizes 8, 16, 32 or a
 multiple of 64, groups up to 64 (:func:`supported`); the Triton kernel takes the rest (per-token FP8 scales
@@ -129,8 +131,8 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             *refs, group: int, block_q: int, rows_pad: int, max_blocks: int, block_size: int, slots: int,
             num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, fp8: bool,
             compiled: bool):
-    # refs: [features f32[Hkv, FEATURE_ROWS, 64]] (ALiBi slopes / sinks by row), [FP8 scales f32[2]: k, v], o, lse,
-    # the scratch
+    # refs: [features f32[Hkv, FEATURE_ROWS, 64]] (ALiBi slopes / sinks by row), [FP8: f32[T], each token's raw
+    # scores' factor], o, lse, the scratch
     refs = list(refs)
     feat_ref = refs.pop(0) if (mods.alibi or mods.sinks) else None
     scales_ref = refs.pop(0) if fp8 else None
@@ -185,14 +187,20 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
         def iota(shape, dim):
             return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
-        k_scale, v_scale = (scales_ref[0], scales_ref[1]) if fp8 else (None, None)
+        k_factor = None
+        if fp8:  # by row: the factor of the row's token (rows past the request's tokens: its last token's)
+            token = lax.div(plgpu.broadcasted_iota(jnp.int32, (BLOCK_M,), 0, layout=row_layout), jnp.int32(group))
+            k_factor = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout)
+            for i in range(block_q):
+                factor = scales_ref[q_start + jnp.minimum(first + i, q_len - 1)]
+                k_factor = jnp.where(token == i, factor, k_factor)
 
         def widen(fp8_tile, tile):
-            """``tile`` (16-bit, swizzled) ← the FP8 tile as stored, for wgmma (which takes no mixed operands). sm_90
-            converts FP8 to fp16 only; fp16 → bf16 goes through float32. All exact: both FP8 formats are fp16 and
-            bf16 numbers."""
-            x = plgpu.load(fp8_tile, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float16)
-            tile[...] = x if dtype == jnp.float16 else x.astype(jnp.float32).astype(dtype)
+            """``tile`` (fp16, swizzled) ← the FP8 tile as stored, for wgmma (which takes no mixed operands): 32-bit
+            shared-memory loads of four FP8 values, converted to fp16 in pairs (exact: every e4m3 and e5m2 value is
+            an fp16 value), one shuffle into the 16-bit layout."""
+            x = plgpu.load(fp8_tile, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+            tile[...] = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
             plgpu.commit_smem()
             return tile
 
@@ -229,8 +237,8 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, BLOCK_N), jnp.float32))
             if not fp8:
                 pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
-            if fp8:  # the raw score of the stored keys times the K scale: q · k as the cache means it
-                s = s * k_scale
+            if fp8:  # K scale over the query's power-of-two shift: q · k as the cache means it
+                s = s * lax.broadcast_in_dim(k_factor, s.shape, [0])
             k_pos = iota(s.shape, 1) + j * BLOCK_N
             q_pos = q_first + lax.div(iota(s.shape, 0), jnp.int32(group))
             if mods.softcap > 0:  # tanh.approx.f32 (approx_math)
@@ -282,8 +290,6 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
         if mods.sinks and num_splits == 1:  # split partials leave the sink to their merge
             sink2 = plgpu.load(feat_smem.at[1], layout=row_layout) * softmax.LOG2E
         out, lse = softmax.finalize(state, sink2)
-        if fp8:  # the V scale once, on the normalised output (before any merge: merging is linear in it)
-            out = out * v_scale
         q_smem[...] = out.astype(dtype)  # Q's last reader, the last Q Kᵀ, has completed
         lse_smem[...] = lse
         plgpu.commit_smem()
@@ -336,7 +342,10 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
     """``(out [T, Hq, D], lse f32[T, Hq])``; arguments validated by :func:`pallas_attn.paged_attention` and
     :func:`supported`, ``cu_query_lens`` clamped (:func:`pallas_attn.core.metadata.clamp_cu`). ``split_size`` a
     multiple of 64 or None; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says; ``kv_scales``
-    an FP8 cache's ``(f32[2],)`` (k_scale, v_scale: :func:`pallas_attn.core.tiles.kv_scale_args`).
+    an FP8 cache's ``(f32[2],)`` (k_scale, v_scale: :func:`pallas_attn.core.tiles.kv_scale_args`). Over an FP8
+    cache the kernel runs in fp16 whatever q's dtype: each token's query goes in after a power-of-two shift
+    (:func:`pallas_attn.core.tiles.query_rows_for_cache`; its inverse joins the K scale on the raw scores), the
+    outputs come out in fp16 and the V scale multiplies them once, in float32, on the way to q's dtype.
 
     ``short_splits = (num_splits, split_size)``: a batch with prefill chunks (``max_query_len > 16``) runs as two
     launches, the short queries (decode, verification) split by ``short_splits`` and the chunks by ``num_splits``
@@ -357,17 +366,26 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
         vectors = [x.astype(jnp.float32) if x is not None else jnp.zeros((num_q_heads,), jnp.float32)
                    for x in (alibi_slopes, sinks)]
         features = [jnp.stack([v[heads] for v in vectors], axis=1)]  # [Hkv, FEATURE_ROWS, 64]
+    v_scale = None
+    if kv_scales:  # FP8: fp16 operands (one conversion of the pages), the query shifted into fp16's range
+        (scales,) = kv_scales
+        q_in, (q, shift), v_scale = q, tiles.query_rows_for_cache(q), scales[1]
+        kv_scales = (scales[0] / shift,)  # [T]: each token's raw scores' factor
     launch = functools.partial(_launch, q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
                                [*features, *kv_scales], sinks, scale=scale, interpret=interpret, mods=mods)
     if short_splits is None or max_query_len <= SHORT_QUERY_LEN:
-        return launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size)
-    short = launch(max_query_len=SHORT_QUERY_LEN, num_splits=short_splits[0], split_size=short_splits[1],
-                   query_class="short")
-    long = launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size, query_class="long")
-    q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
-    req = metadata.token_requests(cu_query_lens, q.shape[0])
-    is_short = (q_lens[jnp.maximum(req, 0)] <= SHORT_QUERY_LEN)[:, None]
-    return jnp.where(is_short[..., None], short[0], long[0]), jnp.where(is_short, short[1], long[1])
+        out, lse = launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size)
+    else:
+        short = launch(max_query_len=SHORT_QUERY_LEN, num_splits=short_splits[0], split_size=short_splits[1],
+                       query_class="short")
+        long = launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size, query_class="long")
+        q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
+        req = metadata.token_requests(cu_query_lens, q.shape[0])
+        is_short = (q_lens[jnp.maximum(req, 0)] <= SHORT_QUERY_LEN)[:, None]
+        out, lse = jnp.where(is_short[..., None], short[0], long[0]), jnp.where(is_short, short[1], long[1])
+    if v_scale is not None:  # once, on the normalised (and merged: merging is linear in it) fp16 output
+        out = (out.astype(jnp.float32) * v_scale).astype(q_in.dtype)
+    return out, lse
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, sinks, *, max_query_len: int,
@@ -397,8 +415,11 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
     has_features = mods.alibi or mods.sinks
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
-    # FP8 pages land as stored (untiled: a register load widens them into the 16-bit tiles wgmma reads)
-    cache_layout = {} if fp8 else tiled
+    # FP8 pages land as stored, in swizzled rows of up to 128 values (bytes): the compute warpgroup's 32-bit loads
+    # widen them into the 16-bit tiles wgmma reads
+    fp8_cols = min(SWIZZLE, head_dim)
+    cache_layout = dict(transforms=(plgpu.TilingTransform((8, fp8_cols)), plgpu.SwizzleTransform(fp8_cols))) \
+        if fp8 else tiled
     scratch = (
         (plgpu.SMEM((BLOCK_M, head_dim), q.dtype, **tiled),  # Q, then the output tile
          plgpu.SMEM((BLOCK_M, head_dim), q.dtype),  # Q as it lands, untiled: tokens × group rows
