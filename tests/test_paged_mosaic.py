@@ -7,6 +7,8 @@ rows NaN. Each case has a hard time limit: an interpreted deadlock fails the tes
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -247,6 +249,25 @@ def test_fp8_cache_matches_reference(name, rng):
     n = int(sum(q_lens))
     assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
     np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
+
+
+def test_fp8_query_shift_is_per_token(rng):
+    """Over an FP8 cache the kernel runs in fp16, each token's query shifted by its own power of two: a token past
+    fp16's range (x 1e6) and one below its normal range (x 1e-6) still match the reference, and the other tokens'
+    rows are bit-identical to a run without them."""
+    q_lens, seq_lens = [1, 3, 1], [70, 130, 20]
+    q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, 16, 4, 2, 64, BF16)
+    k_scale, v_scale = jnp.float32(0.03), jnp.float32(0.015)
+    kc8 = reference.quantize_kv(kc, k_scale, jnp.float8_e4m3fn)
+    vc8 = reference.quantize_kv(vc, v_scale, jnp.float8_e4m3fn)
+    extreme = q.at[0].multiply(1e6).at[4].multiply(1e-6)
+    run = functools.partial(paged_attention, k_scale=k_scale, v_scale=v_scale, max_query_len=3, **MOSAIC)
+    out = run(extreme, kc8, vc8, bt, sl, cu)
+    ref = reference.paged_attention(extreme, kc8, vc8, bt, sl, cu, k_scale=k_scale, v_scale=v_scale)
+    for rows in ([0], [1, 2, 3], [4]):
+        assert_attention_close(out[np.asarray(rows)], ref[np.asarray(rows)], dtype=BF16)
+    plain = run(q, kc8, vc8, bt, sl, cu)
+    np.testing.assert_array_equal(np.asarray(out[1:4], np.float32), np.asarray(plain[1:4], np.float32))
 
 
 def test_query_blocks_bound_every_batch():

@@ -73,8 +73,8 @@ def _owned_rows(cu_seqlens, num_tokens: int, max_seqlen: int):
 
 def backward_backend_for(q, requested: str | None, backward_config, interpret: bool = False) -> str:
     """The backward pass's backend: ``requested`` ("triton" / "mosaic") checked, or with None the Mosaic kernels
-    where they apply, on a compiled Hopper GPU (they ran P1's and P2's training steps 1.3-1.4x faster than the
-    Triton ones on the H200: docs/performance.md#varlen-backward) or wherever JAX no longer ships the Pallas Triton
+    where they apply, on a compiled Hopper GPU (faster than the Triton ones on P1's and P2's training steps on the
+    H200, by 1.06-1.43x: docs/performance.md#varlen-backward) or wherever JAX no longer ships the Pallas Triton
     backend; else Triton. A ``backward_config`` (the Triton kernels' tiles) and interpret mode keep Triton. Raises
     ``ValueError`` naming the argument at trace time; where neither applies, the backward raises
     :class:`pallas_attn.BackendUnavailableError`."""
