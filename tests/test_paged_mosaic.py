@@ -110,23 +110,32 @@ CORRUPT = [
 ]
 
 
-@pytest.mark.parametrize("name, corrupt", CORRUPT, ids=[c[0] for c in CORRUPT])
-def test_corrupt_request_stays_alone(name, corrupt, rng):
+# the same over an FP8 cache (NaN in every slot no request owns), for the two ways out of a request's pages
+CORRUPT_CASES = [(*c, None) for c in CORRUPT] + [(f"e4m3_{name}", fn, jnp.float8_e4m3fn) for name, fn in CORRUPT
+                                                 if name in ("length_past_capacity", "page_past_pool")]
+
+
+@pytest.mark.parametrize("name, corrupt, fmt", CORRUPT_CASES, ids=[c[0] for c in CORRUPT_CASES])
+def test_corrupt_request_stays_alone(name, corrupt, fmt, rng):
     """A request's broken length or table changes its own rows only (bit-identical others, no NaN anywhere it owns
     nothing), and what it computes is the reference's rule (docs/design.md#isolation-whatever-the-inputs)."""
     q_lens, seq_lens = [1, 6, 9, 1], [13, 70, 9, 21]
     kc, vc, bt = make_paged_kv(rng, seq_lens, 8, 2, 64, BF16, max_blocks=10, table_padding="neg")
+    scales = {}
+    if fmt is not None:
+        scales = dict(k_scale=jnp.float32(0.03), v_scale=jnp.float32(0.015))
+        kc, vc = reference.quantize_kv(kc, scales["k_scale"], fmt), reference.quantize_kv(vc, scales["v_scale"], fmt)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     q = jnp.asarray(rng.standard_normal((20, 4, 64)), BF16)
     sl = jnp.asarray(seq_lens, jnp.int32)
-    clean = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=9, **MOSAIC)
+    clean = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=9, **scales, **MOSAIC)
     sl_bad, bt_bad = corrupt(sl, bt, kc.shape[0])
-    out = paged_attention(q, kc, vc, bt_bad, sl_bad, cu, max_query_len=9, **MOSAIC)
+    out = paged_attention(q, kc, vc, bt_bad, sl_bad, cu, max_query_len=9, **scales, **MOSAIC)
     others = np.r_[0:1, 7:20]
     out_np, clean_np = np.asarray(out, np.float32), np.asarray(clean, np.float32)
     assert not np.isnan(out_np[others]).any()
     np.testing.assert_array_equal(out_np[others], clean_np[others])
-    ref = np.asarray(reference.paged_attention(q, kc, vc, bt_bad, sl_bad, cu), np.float32)
+    ref = np.asarray(reference.paged_attention(q, kc, vc, bt_bad, sl_bad, cu, **scales), np.float32)
     np.testing.assert_allclose(out_np[1:7], ref[1:7], rtol=2e-2, atol=2e-2, equal_nan=True)
 
 
