@@ -137,13 +137,19 @@ def test_no_gradient_crosses_a_document_boundary(rng):
         np.testing.assert_array_equal(np.asarray(g)[doc], np.asarray(c)[doc])
 
 
-def test_bit_identical_run_to_run(rng):
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bit_identical_run_to_run(deterministic, rng):
+    """No atomics in either backward kernel: the same gradients, bit for bit, with ``deterministic`` either way (False
+    is FlashAttention's leave to use atomics, which changes nothing here); a non-bool is a named error."""
     q, k, v, cu, w_out, w_lse = _inputs(rng, [40, 17], 4, 2, 16)
-    loss = _loss(varlen_attention, cu, w_out, w_lse, 40, True, config=TILES, backward_config=TILES)
+    loss = _loss(varlen_attention, cu, w_out, w_lse, 40, True, config=TILES, backward_config=TILES,
+                 deterministic=deterministic)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     first, second = grad(q, k, v), grad(q, k, v)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match="deterministic must be a static Python bool"):
+        varlen_attention(q, k, v, cu, max_seqlen=40, deterministic="yes")
 
 
 def test_jit_vmap_and_remat(rng):

@@ -153,16 +153,16 @@ def _differentiable(forward, *, return_lse: bool, max_seqlen: int, causal: bool,
               statics=dict(max_seqlen=validation.check_static_int, causal=validation.check_static_bool,
                            softmax_scale=validation.check_softmax_scale, window_size=validation.check_window_size,
                            softcap=validation.check_softcap, return_lse=validation.check_static_bool,
-                           interpret=_OPTIONAL_BOOL))
+                           interpret=_OPTIONAL_BOOL, deterministic=validation.check_static_bool))
 @functools.partial(jax.jit, static_argnames=("max_seqlen", "causal", "softmax_scale", "window_size", "softcap",
                                              "return_lse", "interpret", "config", "backend", "backward_config",
-                                             "backward_backend"))
+                                             "backward_backend", "deterministic"))
 def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = True, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
                      return_lse: bool = False, interpret: bool | None = None,
                      config: config_lib.PrefillConfig | config_lib.MosaicPrefillConfig | None = None,
                      backend: str | None = None, backward_config: config_lib.PrefillConfig | None = None,
-                     backward_backend: str | None = None):
+                     backward_backend: str | None = None, deterministic: bool = True):
     """Attention over requests packed along the token axis; each request sees only its own tokens.
 
     Args:
@@ -204,6 +204,9 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         (:mod:`pallas_attn.kernels.mosaic.prefill_bwd`: bf16/fp16, head dims 64 and 128; otherwise ``ValueError``
         naming head_dim or dtype). None: Mosaic where it applies on Hopper (and wherever the Pallas Triton
         backend is gone), else Triton.
+      deterministic: static bool. Both backward passes use no atomics (dK / dV and dQ are separate kernels), so
+        gradients are bit-identical run to run either way; ``False`` (FlashAttention's leave to use atomic dQ
+        accumulation) is accepted for code written against it and changes nothing.
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked). Array arguments may be
