@@ -340,7 +340,7 @@ def _on_gpu_mosaic(spec: Spec) -> bool:
     from pallas_attn.kernels.mosaic import paged as mosaic_paged
     paged = (spec.kind in ("decode", "ragged") and spec.head_dim in mosaic_paged.HEAD_DIMS
              and (not spec.kv_dtype or spec.kv_scale_mode == "tensor")
-             and (spec.block_size in mosaic_paged.PAGE_SIZES or spec.block_size % mosaic_paged.BLOCK_N == 0))
+             and spec.block_size % mosaic_paged.ROW_ALIGN == 0)
     return (spec.kind in PACKED_KINDS or paged) and backend.on_gpu()
 
 

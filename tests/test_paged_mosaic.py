@@ -38,6 +38,10 @@ SCENARIOS = {
     "window_right_sinks_split": ([1, 3], [70, 140], 16, 4, 2, 64,
                                  dict(num_splits=2, window_size=(20, 0), sinks=True)),
     "gqa16_verify": ([4, 2], [90, 4], 16, 16, 1, 64, dict(window_size=(30, -1))),
+    # pages that are not a power of two: copies of gcd(page, 64) rows (16 for 48 and 80, 32 for 544)
+    "decode_bs48_edges": ([1, 1, 1, 1], [47, 48, 97, 200], 48, 4, 2, 64, {}),
+    "verify_bs80_window": ([3, 1], [100, 50], 80, 4, 1, 64, dict(window_size=(30, -1))),
+    "chunk_bs544_splits": ([1, 30], [600, 1100], 544, 4, 2, 64, dict(num_splits=2)),
     # a chunk beside decodes over long contexts: two launches, the decodes split on their own, the chunk unsplit
     "two_launches_short_split": ([1, 40, 1], [2100, 100, 1500], 64, 4, 2, 64, dict(sinks=True)),
 }
@@ -210,8 +214,7 @@ def test_decode_is_paged_attention_with_one_token(rng):
 @pytest.mark.parametrize("change, match", [
     (dict(dtype=jnp.float32), r"backend='mosaic' does not support dtype float32"),
     (dict(head_dim=96), r"head_dim=96"),
-    (dict(block_size=4), r"block_size=4"),
-    (dict(block_size=48), r"block_size=48"),
+    (dict(block_size=4), r"block_size=4 \(supported: multiples of 8"),
     (dict(split_size=32), r"split_size=32"),
     (dict(config=DecodeConfig(block_n=16)), r"config= tunes the Triton kernel"),
     (dict(fp8="token"), r"per-token FP8 scales"),

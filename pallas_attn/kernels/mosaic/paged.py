@@ -10,8 +10,9 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   all of them (a decode step's GQA group, a verification's draft tokens). The static number of blocks bounds any
   batch of the bucketed shapes (no host sync, no recompilation); blocks past the batch's last exit at once.
 * two warpgroups. The **memory** warpgroup reads the block table in the kernel and brings each 64-key tile of K and
-  V into a ring of shared-memory slots with TMA: one copy where a page holds the whole tile (``block_size`` a
-  multiple of 64), one per page otherwise (``block_size`` 8, 16 or 32). A page that is not the request's — past
+  V into a ring of shared-memory slots with TMA, in copies of ``gcd(block_size, 64)`` rows (:func:`copy_rows`):
+  one a tile for pages of a multiple of 64, one a page for 8, 16 or 32, 16 rows at a time for 48 or 80, 32 for
+  Qwen3-Next's 544; a copy never crosses a page. A page that is not the request's — past
   its keys, wholly before its window, or an id outside the pool — is never copied (the memory warpgroup arrives
   on the slot's barrier without bytes instead). The **compute** warpgroup runs ``S = Q Kᵀ``, the online softmax
   in registers (exp2, the scale folded into its FMA) and ``O += P V``, and releases each slot to the memory
@@ -36,8 +37,8 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   two into fp16's range, whose inverse and the K scale multiply its raw scores; the V scale multiplies the fp16
   output once, outside.
 
-Head dims 64, 128 and 256, bf16 / fp16 queries over a cache of q's dtype or FP8, page sizes 8, 16, 32 or a
-multiple of 64, groups up to 64 (:func:`supported`); the Triton kernel takes the rest (per-token FP8 scales
+Head dims 64, 128 and 256, bf16 / fp16 queries over a cache of q's dtype or FP8, page sizes that are multiples
+of 8, groups up to 64 (:func:`supported`); the Triton kernel takes the rest (per-token FP8 scales
 included).
 
 Interpret mode (CPU): the Mosaic GPU interpreter runs this kernel with the same two limits as the Mosaic prefill's
@@ -48,6 +49,7 @@ accumulator added to the rescaled one. Reference: :func:`pallas_attn.reference.p
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +62,6 @@ from pallas_attn.core import config as config_lib, masks, metadata, softmax, til
 BLOCK_M = 64  # rows of a query block (tokens × group): one wgmma M tile
 BLOCK_N = 64  # keys per K/V slot
 HEAD_DIMS = (64, 128, 256)
-PAGE_SIZES = (8, 16, 32)  # pages smaller than a tile (a copy each, rows in whole 8-row groups); or multiples of 64
 SWIZZLE = 128  # bytes: a 64-wide bf16 column tile per 8-row group, the wgmma operand layout
 TILE_COLS = 64  # 16-bit columns of one swizzle tile
 ROW_ALIGN = 8  # rows of the tiled shared-memory layout: output tiles are stored in whole 8-row groups
@@ -82,11 +83,17 @@ def supported(q, k_cache, scale_mode: str | None = None) -> str | None:
         return f"a {k_cache.dtype} cache (q's dtype or FP8 only)"
     if head_dim not in HEAD_DIMS:
         return f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})"
-    if block_size not in PAGE_SIZES and block_size % BLOCK_N:
-        return f"block_size={block_size} (supported: {', '.join(map(str, PAGE_SIZES))} or a multiple of {BLOCK_N})"
+    if block_size % ROW_ALIGN:
+        return f"block_size={block_size} (supported: multiples of {ROW_ALIGN}: a TMA copy lands whole 8-row groups)"
     if q.shape[1] // num_kv_heads > BLOCK_M:
         return f"{q.shape[1] // num_kv_heads} query heads per KV head (at most {BLOCK_M})"
     return None
+
+
+def copy_rows(block_size: int) -> int:
+    """Rows of one TMA copy of K or V: the largest power of two that divides both the page and the 64-key tile, so
+    that every copy lies within one page and a tile is ``64 / copy_rows`` copies."""
+    return math.gcd(block_size, BLOCK_N)
 
 
 def num_slots(head_dim: int) -> int:
@@ -111,19 +118,18 @@ def _round_up(n: int, m: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- kernel body
 def _tile_pages(table_ref, table_base, j, seq_len, key_lo, *, block_size: int, max_blocks: int, num_pages: int):
-    """The pages of key tile ``j`` of a request: ``[(page, first row in the page, rows, copy it)]``, one entry
-    (``block_size`` a multiple of 64) or ``64 / block_size``. A page is copied when it holds keys in
-    ``[key_lo, seq_len)`` and its id is in the pool; ``page`` is then a valid id (else 0: never read)."""
+    """The copies of key tile ``j`` of a request: ``[(page, first row in the page, rows, copy it)]``, ``64 /
+    copy_rows(block_size)`` of them, each within one page. A copy is made when its rows hold keys in ``[key_lo,
+    seq_len)`` and its page id is in the pool; ``page`` is then a valid id (else 0: never read)."""
     pages = []
-    per_tile = max(1, BLOCK_N // block_size)
-    rows = min(block_size, BLOCK_N)
-    for i in range(per_tile):
+    rows = copy_rows(block_size)
+    for i in range(BLOCK_N // rows):
         first_key = j * BLOCK_N + i * rows
         logical = first_key // block_size
         holds = (first_key < seq_len) & (first_key + rows > key_lo)
         page = table_ref[table_base + jnp.where(holds, jnp.minimum(logical, max_blocks - 1), 0)]
         ok = holds & (page >= 0) & (page < num_pages)
-        pages.append((jnp.where(ok, page, 0), first_key % block_size if block_size > BLOCK_N else 0, rows, ok))
+        pages.append((jnp.where(ok, page, 0), first_key % block_size if rows < block_size else 0, rows, ok))
     return pages
 
 
@@ -214,10 +220,10 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             ok = (pos >= key_lo) & (pos < seq_len)
             if len(tile_pages) == 1:
                 return ok & tile_pages[0][3]
-            page_ok = functools.reduce(lambda acc, i: acc | jnp.where(tile_pages[i][3], 1 << i, 0),
-                                       range(len(tile_pages)), jnp.int32(0))
-            page = lax.shift_right_logical(pos - j * BLOCK_N, jnp.int32(block_size.bit_length() - 1))
-            return ok & ((lax.shift_right_logical(page_ok, page) & 1) == 1)
+            copied = functools.reduce(lambda acc, i: acc | jnp.where(tile_pages[i][3], 1 << i, 0),
+                                      range(len(tile_pages)), jnp.int32(0))  # bit i: copy i was made
+            copy = lax.shift_right_logical(pos - j * BLOCK_N, jnp.int32(copy_rows(block_size).bit_length() - 1))
+            return ok & ((lax.shift_right_logical(copied, copy) & 1) == 1)
 
         def step(j, state, masked: bool):
             acc, m_i, l_i = state
@@ -430,7 +436,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
          plgpu.SMEM((BLOCK_M, BLOCK_N), q.dtype, **tiled) if interpret else None,  # P (interpreter)
          (plgpu.SMEM((BLOCK_N, head_dim), q.dtype, **tiled),) * 2 if fp8 else (None, None)),  # K, V widened
         (plgpu.Barrier(num_arrivals=block_q + int(has_features)),
-         *[plgpu.Barrier(num_arrivals=max(1, BLOCK_N // block_size), num_barriers=slots)] * 2),
+         *[plgpu.Barrier(num_arrivals=BLOCK_N // copy_rows(block_size), num_barriers=slots)] * 2),
         (plgpu.Barrier(num_barriers=slots),) * 2,
     )
     body = functools.partial(
