@@ -260,6 +260,13 @@ def fp8_pairs(pairs, fmt: str, dtype, compiled: bool):
     return even.astype(dtype), odd.astype(dtype)
 
 
+def fp16_shift(top):
+    """The power of two that puts a largest magnitude ``top`` in ``[2**14, 2**15)`` (1 where ``top <= 0``): every
+    bf16 value within 2**24 of the largest is then an fp16 value, exactly, and none overflows."""
+    exponent = jnp.where(top > 0, jnp.floor(jnp.log2(jnp.where(top > 0, top, 1.0))), 0.0)
+    return jnp.exp2(FP8_QUERY_TOP - exponent)  # a power of two: exact in both directions
+
+
 def query_for_cache(q, fp8: str | None, scale):
     """``(q, scale)`` for the dots with a cache read as ``fp8`` pairs (None: not FP8): unchanged unless ``fp8``
     and ``q`` 16-bit (``q`` may be a tuple of column groups: :func:`pair_cols`).
@@ -272,22 +279,17 @@ def query_for_cache(q, fp8: str | None, scale):
     parts = q if isinstance(q, tuple) else (q,)
     if fp8 is None or parts[0].dtype.itemsize != 2:
         return q, scale
-    top = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in parts])
-    exponent = jnp.where(top > 0, jnp.floor(jnp.log2(jnp.where(top > 0, top, 1.0))), 0.0)
-    shift = jnp.exp2(FP8_QUERY_TOP - exponent)  # a power of two: exact in both directions
+    shift = fp16_shift(functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in parts]))
     parts = tuple((x.astype(jnp.float32) * shift).astype(jnp.float16) for x in parts)
     return (parts if isinstance(q, tuple) else parts[0]), scale / shift
 
 
 def query_rows_for_cache(q):
-    """``(q16 [T, Hq, D] fp16, shift f32[T])``: each token's query rows times the power of two that puts the token's
-    largest magnitude in ``[2**14, 2**15)`` (as :func:`query_for_cache` does for a tile), for a kernel whose
-    operands are fp16 over an FP8 cache; the scores of token ``t`` are then ``shift[t]`` times too large. Per
-    token, so that one token's values (a NaN, a huge row) change only its own rows."""
+    """``(q16 [T, Hq, D] fp16, shift f32[T])``: each token's query rows times its own :func:`fp16_shift`, for a
+    kernel whose operands are fp16 over an FP8 cache; the scores of token ``t`` are then ``shift[t]`` times too
+    large. Per token, so that one token's values (a NaN, a huge row) change only its own rows."""
     top = jnp.max(jnp.abs(q.astype(jnp.float32)), axis=tuple(range(1, q.ndim)))
-    usable = jnp.isfinite(top) & (top > 0)
-    exponent = jnp.where(usable, jnp.floor(jnp.log2(jnp.where(usable, top, 1.0))), 0.0)
-    shift = jnp.exp2(FP8_QUERY_TOP - exponent)
+    shift = fp16_shift(jnp.where(jnp.isfinite(top), top, 0.0))  # a non-finite token keeps its values: its own NaN
     return (q.astype(jnp.float32) * shift.reshape(-1, *[1] * (q.ndim - 1))).astype(jnp.float16), shift
 
 

@@ -33,9 +33,9 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   short queries and chunks, each with its own split plan (as the Triton kernel's).
 * FP8 caches (per-tensor scales): the kernel runs in fp16. Pages land as stored and the compute warpgroup widens
   each tile to fp16 in shared memory (one conversion per pair of values; wgmma takes no mixed operands:
-  docs/design.md#fp8-kv-caches), freeing the FP8 slot at once; each token's query comes in shifted by a power of
-  two into fp16's range, whose inverse and the K scale multiply its raw scores; the V scale multiplies the fp16
-  output once, outside.
+  docs/design.md#fp8-kv-caches), freeing the FP8 slot at once; each token's query is scaled by a power of two
+  into fp16's range, whose inverse and the K scale multiply its raw scores; the V scale multiplies the fp16 output
+  once, outside.
 
 Head dims 64, 128 and 256, bf16 / fp16 queries over a cache of q's dtype or FP8, page sizes that are multiples
 of 8, groups up to 64 (:func:`supported`); the Triton kernel takes the rest (per-token FP8 scales
@@ -129,7 +129,7 @@ def _tile_pages(table_ref, table_base, j, seq_len, key_lo, *, block_size: int, m
         holds = (first_key < seq_len) & (first_key + rows > key_lo)
         page = table_ref[table_base + jnp.where(holds, jnp.minimum(logical, max_blocks - 1), 0)]
         ok = holds & (page >= 0) & (page < num_pages)
-        pages.append((jnp.where(ok, page, 0), first_key % block_size if rows < block_size else 0, rows, ok))
+        pages.append((jnp.where(ok, page, 0), first_key % block_size, rows, ok))
     return pages
 
 
