@@ -334,12 +334,11 @@ def _prepare_mosaic(batches: list[Batch], options: Options) -> Prepared:
 
 def _on_gpu_mosaic(spec: Spec) -> bool:
     """The Mosaic GPU kernels of varlen prefill and the paged functions: compiled on a GPU only (their interpreter
-    takes seconds for a few dozen tokens); the paged one where it takes the cache (its head dims and page sizes,
-    FP8 with per-tensor scales: other shapes raise, which an error row would only repeat)."""
+    takes seconds for a few dozen tokens); the paged one where it takes the cache (its head dims and page sizes:
+    other shapes raise, which an error row would only repeat)."""
     from pallas_attn.core import backend
     from pallas_attn.kernels.mosaic import paged as mosaic_paged
     paged = (spec.kind in ("decode", "ragged") and spec.head_dim in mosaic_paged.HEAD_DIMS
-             and (not spec.kv_dtype or spec.kv_scale_mode == "tensor")
              and spec.block_size % mosaic_paged.ROW_ALIGN == 0)
     return (spec.kind in PACKED_KINDS or paged) and backend.on_gpu()
 

@@ -131,6 +131,33 @@ def test_paged_decode_mosaic(cache_dtype):
     assert "mosaic_gpu" in text
 
 
+# FP8 pages with per-(token, head) scale caches through the Mosaic paged kernel: D1 (head dim 128), a TP-8 shard
+# (one KV head: its scales 4 bytes apart, gathered into bands), Gemma-3 (head dim 256: the value rows widened in two
+# column tiles) with a window (the band is the window's tiles), gpt-oss (head dim 64) as an M1-like mixed batch.
+MOSAIC_TOKEN_SCALES = {
+    "d1": (64, 64, 1, 512, 16, 32, 8, 128, {}),
+    "tp8_shard": (64, 64, 1, 512, 16, 8, 1, 128, {}),
+    "gemma_d256_window": (8, 8, 1, 256, 16, 8, 4, 256, dict(window_size=(1023, 0))),
+    "gptoss_mixed": (2152, 68, 512, 512, 16, 64, 8, 64, dict(window_size=(127, 0))),
+}
+
+
+@pytest.mark.parametrize("name", MOSAIC_TOKEN_SCALES)
+def test_paged_mosaic_token_scales(name):
+    tokens, seqs, max_query_len, max_blocks, bs, hq, hkv, d, kw = MOSAIC_TOKEN_SCALES[name]
+
+    def fn(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scale, v_scale):
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scale=k_scale,
+                               v_scale=v_scale, max_query_len=max_query_len, return_lse=True, interpret=False,
+                               backend="mosaic", **kw)
+
+    cache = S((seqs * max_blocks, bs, hkv, d), jnp.float8_e4m3fn)
+    scales = S(cache.shape[:3], jnp.float32)
+    text = _lower(fn, S((tokens, hq, d), BF16), cache, cache, S((seqs, max_blocks), I32), S((seqs,), I32),
+                  S((seqs + 1,), I32), scales, scales)
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("cache_dtype, mode", [(jnp.float8_e4m3fn, "tensor"), (jnp.float8_e5m2, "tensor"),
                                                (jnp.float8_e4m3fn, "token")])
 def test_fp8_caches(cache_dtype, mode):

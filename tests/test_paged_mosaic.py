@@ -64,6 +64,20 @@ def _features(rng, hq, kw):
     return kw
 
 
+def _fp8_cache(rng, kc, vc, fmt, mode: str):
+    """``(k8, v8, scales)`` from float32 caches: per tensor (0.03, 0.015), or per (token, head) after spreading the
+    rows' magnitudes over 10^U(-3, 2) (a slot no request owns: NaN values, NaN scale)."""
+    if mode == "tensor":
+        scales = dict(k_scale=jnp.float32(0.03), v_scale=jnp.float32(0.015))
+    else:
+        spread = lambda x: x * jnp.asarray(10.0 ** rng.uniform(-3, 2, x.shape[:3] + (1,)), jnp.float32)  # noqa: E731
+        kc, vc = spread(kc), spread(vc)
+        scales = dict(k_scale=reference.kv_scales_per_token_head(kc, fmt),
+                      v_scale=reference.kv_scales_per_token_head(vc, fmt))
+    return (reference.quantize_kv(kc, scales["k_scale"], fmt), reference.quantize_kv(vc, scales["v_scale"], fmt),
+            scales)
+
+
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_matches_reference(name, rng):
     q_lens, seq_lens, bs, hq, hkv, d, kw = SCENARIOS[name]
@@ -114,21 +128,22 @@ CORRUPT = [
 ]
 
 
-# the same over an FP8 cache (NaN in every slot no request owns), for the two ways out of a request's pages
-CORRUPT_CASES = [(*c, None) for c in CORRUPT] + [(f"e4m3_{name}", fn, jnp.float8_e4m3fn) for name, fn in CORRUPT
-                                                 if name in ("length_past_capacity", "page_past_pool")]
+# the same over an FP8 cache (NaN in every slot no request owns, and in its scale per token), for the two ways out
+# of a request's pages
+CORRUPT_CASES = [(*c, None) for c in CORRUPT] + [
+    (f"e4m3_{mode}_{name}", fn, mode) for name, fn in CORRUPT if name in ("length_past_capacity", "page_past_pool")
+    for mode in ("tensor", "token")]
 
 
-@pytest.mark.parametrize("name, corrupt, fmt", CORRUPT_CASES, ids=[c[0] for c in CORRUPT_CASES])
-def test_corrupt_request_stays_alone(name, corrupt, fmt, rng):
+@pytest.mark.parametrize("name, corrupt, fp8", CORRUPT_CASES, ids=[c[0] for c in CORRUPT_CASES])
+def test_corrupt_request_stays_alone(name, corrupt, fp8, rng):
     """A request's broken length or table changes its own rows only (bit-identical others, no NaN anywhere it owns
     nothing), and what it computes is the reference's rule (docs/design.md#isolation-whatever-the-inputs)."""
     q_lens, seq_lens = [1, 6, 9, 1], [13, 70, 9, 21]
     kc, vc, bt = make_paged_kv(rng, seq_lens, 8, 2, 64, BF16, max_blocks=10, table_padding="neg")
     scales = {}
-    if fmt is not None:
-        scales = dict(k_scale=jnp.float32(0.03), v_scale=jnp.float32(0.015))
-        kc, vc = reference.quantize_kv(kc, scales["k_scale"], fmt), reference.quantize_kv(vc, scales["v_scale"], fmt)
+    if fp8 is not None:
+        kc, vc, scales = _fp8_cache(rng, kc.astype(jnp.float32), vc.astype(jnp.float32), jnp.float8_e4m3fn, fp8)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     q = jnp.asarray(rng.standard_normal((20, 4, 64)), BF16)
     sl = jnp.asarray(seq_lens, jnp.int32)
@@ -217,47 +232,51 @@ def test_decode_is_paged_attention_with_one_token(rng):
     (dict(block_size=4), r"block_size=4 \(supported: multiples of 8"),
     (dict(split_size=32), r"split_size=32"),
     (dict(config=DecodeConfig(block_n=16)), r"config= tunes the Triton kernel"),
-    (dict(fp8="token"), r"per-token FP8 scales"),
 ])
 def test_unsupported_raises(change, match, rng):
     dtype, d, bs = change.get("dtype", BF16), change.get("head_dim", 64), change.get("block_size", 16)
     kc, vc, bt = make_paged_kv(rng, [20, 5], bs, 2, d, dtype)
     q = jnp.asarray(rng.standard_normal((2, 4, d)), dtype)
     kw = {k: v for k, v in change.items() if k in ("split_size", "config")}
-    if change.get("fp8"):
-        kc, vc = kc.astype(jnp.float8_e4m3fn), vc.astype(jnp.float8_e4m3fn)
-        scales = jnp.ones(kc.shape[:3], jnp.float32)
-        kw.update(k_scale=scales, v_scale=scales)
     with pytest.raises(ValueError, match=match):
         paged_decode_attention(q, kc, vc, bt, jnp.array([20, 5], jnp.int32), **kw, **MOSAIC)
 
 
-# name: (format, query_lens, seq_lens, block_size, head_dim, kwargs). Pages are quantised from bf16 values by
-# reference.quantize_kv (stored = value / scale, saturated); slots no request owns hold NaN.
+# name: (format, scale mode, query_lens, seq_lens, block_size, head_dim, kwargs). Pages are quantised from float32
+# values by reference.quantize_kv (stored = value / scale, saturated); slots no request owns hold NaN.
 FP8 = {
-    "e4m3_decode_bs16_splits": (jnp.float8_e4m3fn, [1, 1, 1], [1, 70, 130], 16, 64, dict(num_splits=2)),
-    "e5m2_mixed_bs64_d128": (jnp.float8_e5m2, [1, 6, 20], [90, 64, 150], 64, 128, {}),
-    "e4m3_window_sinks_fp16": (jnp.float8_e4m3fn, [1, 4], [200, 77], 8, 64,
+    "e4m3_decode_bs16_splits": (jnp.float8_e4m3fn, "tensor", [1, 1, 1], [1, 70, 130], 16, 64, dict(num_splits=2)),
+    "e5m2_mixed_bs64_d128": (jnp.float8_e5m2, "tensor", [1, 6, 20], [90, 64, 150], 64, 128, {}),
+    "e4m3_window_sinks_fp16": (jnp.float8_e4m3fn, "tensor", [1, 4], [200, 77], 8, 64,
                                dict(window_size=(50, -1), sinks=True, dtype=jnp.float16)),
+    # per-(token, head) scales: the key scales on the score columns, each value row widened with its own
+    "e4m3_token_decode_bs16_splits": (jnp.float8_e4m3fn, "token", [1, 1, 1], [1, 70, 130], 16, 64,
+                                      dict(num_splits=2)),
+    "e5m2_token_mixed_bs64_d128": (jnp.float8_e5m2, "token", [1, 6, 20], [90, 64, 150], 64, 128, {}),
+    "e4m3_token_window_softcap_sinks_fp16": (jnp.float8_e4m3fn, "token", [1, 4, 1], [200, 77, 150], 8, 64,
+                                             dict(window_size=(50, -1), softcap=20.0, sinks=True,
+                                                  dtype=jnp.float16)),
+    "e4m3_token_d256_bs48_alibi": (jnp.float8_e4m3fn, "token", [3, 1], [100, 49], 48, 256, dict(alibi=True)),
+    "e4m3_token_two_launches": (jnp.float8_e4m3fn, "token", [1, 40, 1], [700, 100, 300], 64, 64,
+                                dict(window_size=(100, 0))),
 }
 
 
 @pytest.mark.parametrize("name", FP8)
 def test_fp8_cache_matches_reference(name, rng):
-    """FP8 pages widened to 16 bits in shared memory, the K scale on the raw scores, the V scale on the output:
-    the reference on the dequantised cache, within bf16 tolerance."""
-    fmt, q_lens, seq_lens, bs, d, kw = FP8[name]
+    """FP8 pages widened to 16 bits in shared memory, the K scale on the raw scores, the V scale on the output (or
+    per token: each key's on its score column, each value's on its row): the reference on the dequantised cache,
+    within bf16 tolerance."""
+    fmt, mode, q_lens, seq_lens, bs, d, kw = FP8[name]
     kw = dict(kw)
     dtype = kw.pop("dtype", BF16)
     q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, bs, 4, 2, d, dtype)
-    k_scale, v_scale = jnp.float32(0.03), jnp.float32(0.015)
-    kc8, vc8 = reference.quantize_kv(kc, k_scale, fmt), reference.quantize_kv(vc, v_scale, fmt)
+    kc8, vc8, scales = _fp8_cache(rng, kc.astype(jnp.float32), vc.astype(jnp.float32), fmt, mode)
     kw = _features(rng, 4, kw)
     args = (q, kc8, vc8, bt, sl, cu)
-    out, lse = paged_attention(*args, max_query_len=max(q_lens), k_scale=k_scale, v_scale=v_scale,
-                               return_lse=True, **kw, **MOSAIC)
+    out, lse = paged_attention(*args, max_query_len=max(q_lens), return_lse=True, **scales, **kw, **MOSAIC)
     kw.pop("num_splits", None)
-    ref_out, ref_lse = reference.paged_attention(*args, k_scale=k_scale, v_scale=v_scale, return_lse=True, **kw)
+    ref_out, ref_lse = reference.paged_attention(*args, return_lse=True, **scales, **kw)
     n = int(sum(q_lens))
     assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
     np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
@@ -280,6 +299,23 @@ def test_fp8_query_shift_is_per_token(rng):
         assert_attention_close(out[np.asarray(rows)], ref[np.asarray(rows)], dtype=BF16)
     plain = run(q, kc8, vc8, bt, sl, cu)
     np.testing.assert_array_equal(np.asarray(out[1:4], np.float32), np.asarray(plain[1:4], np.float32))
+
+
+def test_per_token_scales_span_past_fp16(rng):
+    """Per-token scales let one request's values sit near 1e-6 and another's near 1e6, below and past fp16's range,
+    in which the kernel's query and keys meet: the value rows are widened with their own scales into bf16 (float32's
+    range), so both requests match the reference, each to bf16 precision."""
+    q_lens, seq_lens = [1, 4, 1], [70, 130, 20]
+    q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, 16, 4, 2, 64, BF16)
+    size = np.ones((kc.shape[0], 1, 1, 1), np.float32)
+    for b, s in ((0, 1e-6), (1, 1e6)):  # the request's pages
+        size[np.asarray(bt[b])[: -(-seq_lens[b] // 16)]] = s
+    kc8, vc8, scales = _fp8_cache(rng, kc.astype(jnp.float32), vc.astype(jnp.float32) * size, jnp.float8_e4m3fn,
+                                  "token")
+    out = paged_attention(q, kc8, vc8, bt, sl, cu, max_query_len=4, **scales, **MOSAIC)
+    ref = reference.paged_attention(q, kc8, vc8, bt, sl, cu, **scales)
+    for rows in ([0], [1, 2, 3, 4], [5]):
+        assert_attention_close(out[np.asarray(rows)], ref[np.asarray(rows)], dtype=BF16)
 
 
 def test_query_blocks_bound_every_batch():

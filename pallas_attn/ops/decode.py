@@ -96,7 +96,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
         if x is not None:
             validation.check_head_vector(name, x, q.shape[1])
     mods = masks.ScoreMods(*window_size, softcap, alibi_slopes is not None, sinks is not None)
-    backend = paged.select_backend("paged_decode_attention", backend, q, k_cache, split_size, scale_mode, config)
+    backend = paged.select_backend("paged_decode_attention", backend, q, k_cache, split_size, config)
     interpret = backend_lib.resolve_interpret(interpret)
     scale = float(softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5)
     if backend == "mosaic":  # the ragged kernel, one token per request

@@ -34,25 +34,23 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, k_scal
     return scale_mode
 
 
-def mosaic_unsupported(q, k_cache, split_size: int | None, scale_mode: str | None) -> str | None:
+def mosaic_unsupported(q, k_cache, split_size: int | None) -> str | None:
     """None when the Mosaic paged kernel (:mod:`pallas_attn.kernels.mosaic.paged`) takes these arguments, else the
     reason it does not; :func:`pallas_attn.paged_decode_attention` shares the rule."""
-    reason = mosaic_paged.supported(q, k_cache, scale_mode)
+    reason = mosaic_paged.supported(q, k_cache)
     if reason is None and split_size is not None and split_size % mosaic_paged.BLOCK_N:
         reason = f"{split_size=} (a multiple of its {mosaic_paged.BLOCK_N}-key tiles)"
     return reason
 
 
-def select_backend(function: str, backend: str | None, q, k_cache, split_size: int | None, scale_mode: str | None,
-                   *configs) -> str:
+def select_backend(function: str, backend: str | None, q, k_cache, split_size: int | None, *configs) -> str:
     """The backend of a paged call: the Triton kernel by default while JAX ships it (the Mosaic kernel has not been
     measured against it yet: docs/performance.md#paged-backends), the Mosaic kernel where asked or where the Pallas
     Triton backend is gone (:func:`pallas_attn.core.backend.select_backend`). ``configs`` tune the Triton kernel: one
     given picks it, and ``backend="mosaic"`` with one raises ``ValueError``."""
     given = next((c for c in configs if c is not None), None)
     return backend_lib.select_backend(backend, config=given, default=lambda: "triton",
-                                      mosaic_unsupported=lambda: mosaic_unsupported(q, k_cache, split_size,
-                                                                                    scale_mode),
+                                      mosaic_unsupported=lambda: mosaic_unsupported(q, k_cache, split_size),
                                       function=function)
 
 
@@ -107,8 +105,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
       chunk_config: the same for prefill chunks (``q_len > 16``) of a mixed batch, which run in a second launch with
         prefill-sized tiles; default :func:`pallas_attn.core.config.default_chunk_config`.
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.paged` (64-row query
-        blocks, 64-key tiles, TMA page copies; bf16 / fp16 queries over a cache of q's dtype or FP8 with per-tensor
-        scales, head dims 64, 128, 256, page sizes 8 or a multiple of 16, ``split_size`` a multiple of 64 —
+        blocks, 64-key tiles, TMA page copies; bf16 / fp16 queries over a cache of q's dtype or FP8 (either
+        scale mode), head dims 64, 128, 256, page sizes 8 or a multiple of 16, ``split_size`` a multiple of 64 —
         anything else raises ``ValueError`` naming it; interpreted on CPU by the Mosaic GPU interpreter). None: the
         Triton kernel while JAX ships its backend (or a config is given), else the Mosaic kernel where it applies.
 
@@ -129,7 +127,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
             validation.check_head_vector(name, x, q.shape[1])
     mods = masks.ScoreMods(*window_size, softcap, alibi_slopes is not None, sinks is not None)
     cu_query_lens = metadata.clamp_cu(cu_query_lens, q.shape[0])  # whatever it holds, requests stay disjoint
-    backend = select_backend("paged_attention", backend, q, k_cache, split_size, scale_mode, config, chunk_config)
+    backend = select_backend("paged_attention", backend, q, k_cache, split_size, config, chunk_config)
     interpret = backend_lib.resolve_interpret(interpret)
     scale = float(softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5)
     if backend == "mosaic":

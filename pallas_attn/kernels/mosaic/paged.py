@@ -31,15 +31,17 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   rows]``, one TMA store each; the wrapper gathers the token rows (padding rows: 0 and -inf) and merges split
   partials with :func:`pallas_attn.core.softmax.merge_split_outputs`. A batch with prefill chunks runs two launches,
   short queries and chunks, each with its own split plan (as the Triton kernel's).
-* FP8 caches (per-tensor scales): the kernel runs in fp16. Pages land as stored and the compute warpgroup widens
-  each tile to fp16 in shared memory (one conversion per pair of values; wgmma takes no mixed operands:
-  docs/design.md#fp8-kv-caches), freeing the FP8 slot at once; each token's query is scaled by a power of two
-  into fp16's range, whose inverse and the K scale multiply its raw scores; the V scale multiplies the fp16 output
-  once, outside.
+* FP8 caches: the scores run in fp16. Pages land as stored and the compute warpgroup widens each tile to fp16 in
+  shared memory (one conversion per pair of values; wgmma takes no mixed operands: docs/design.md#fp8-kv-caches),
+  freeing the FP8 slot at once; each token's query is scaled by a power of two into fp16's range, whose inverse
+  and the K scale multiply its raw scores. Per-tensor scales: the V scale multiplies the fp16 output once, outside.
+  Per-(token, head) scales: the wrapper gathers each request's scales by KV head (:func:`scale_bands`: over the
+  window's tiles with a window), the memory warpgroup copies a tile's 64 with its K and V rows, each key's scale
+  multiplies its score column in float32, and each value row is widened times its own scale into bf16 (float32's
+  range), so that P, V and the output are bf16.
 
-Head dims 64, 128 and 256, bf16 / fp16 queries over a cache of q's dtype or FP8, page sizes that are multiples
-of 8, groups up to 64 (:func:`supported`); the Triton kernel takes the rest (per-token FP8 scales
-included).
+Head dims 64, 128 and 256, bf16 / fp16 queries over a cache of q's dtype or FP8 (either scale mode), page sizes
+that are multiples of 8, groups up to 64 (:func:`supported`); the Triton kernel takes the rest.
 
 Interpret mode (CPU): the Mosaic GPU interpreter runs this kernel with the same two limits as the Mosaic prefill's
 (:mod:`pallas_attn.kernels.mosaic.prefill`): P reaches wgmma through shared memory, and each ``P V`` is a fresh
@@ -69,17 +71,14 @@ FEATURE_ROWS = 2  # ALiBi slopes and sinks, one 64-row vector each per KV head
 SHORT_QUERY_LEN = 16  # decode and verification; longer queries are prefill chunks (a launch of their own)
 
 
-def supported(q, k_cache, scale_mode: str | None = None) -> str | None:
-    """None when the Mosaic paged kernel applies to these inputs, else the reason it does not. ``scale_mode``: an
-    FP8 cache's ("tensor" or "token", :func:`pallas_attn.core.validation.check_kv_scales`)."""
+def supported(q, k_cache) -> str | None:
+    """None when the Mosaic paged kernel applies to these inputs, else the reason it does not (an FP8 cache runs
+    with either scale mode)."""
     head_dim = q.shape[-1]
     block_size, num_kv_heads = k_cache.shape[1:3]
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {q.dtype} (bf16 / fp16 only)"
-    if tiles.fp8_format(k_cache.dtype) is not None:
-        if scale_mode == "token":
-            return "per-token FP8 scales (per-tensor scales only; the Triton kernel reads scale caches)"
-    elif k_cache.dtype != q.dtype:
+    if tiles.fp8_format(k_cache.dtype) is None and k_cache.dtype != q.dtype:
         return f"a {k_cache.dtype} cache (q's dtype or FP8 only)"
     if head_dim not in HEAD_DIMS:
         return f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})"
@@ -112,6 +111,47 @@ def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
     return max(1, (num_tokens + num_seqs * (block_q - 1)) // block_q)
 
 
+def fp8_tile_cols(head_dim: int) -> int:
+    """Columns of one swizzle tile of an FP8 page in shared memory: rows of up to 128 one-byte values."""
+    return min(SWIZZLE, head_dim)
+
+
+def band_tiles(capacity: int, num_tokens: int, window_left: int) -> int:
+    """Key tiles of a request's per-token scale band (:func:`scale_bands`): every tile of the table, or with a
+    left window the tiles its readable keys ``[max(context - left, 0), seq_len)`` can touch: ``q_len + left`` keys
+    (``q_len <= num_tokens``) touch at most one tile more than they fill."""
+    tiles_total = pl.cdiv(capacity, BLOCK_N)
+    if window_left < 0:
+        return tiles_total
+    return min(tiles_total, pl.cdiv(num_tokens + window_left, BLOCK_N) + 1)
+
+
+def scale_bands(k_scales, v_scales, block_tables, seq_lens, cu_query_lens, num_tokens: int, window_left: int):
+    """``(band_first i32[S], k_band, v_band f32[S, Hkv, band_tiles · 64])``: per request, the per-(token, head)
+    scales of the keys it can read, gathered through its block table (an XLA gather) from the tile ``band_first``
+    on and laid out by KV head, so that the memory warpgroup brings a tile's 64 scales in one contiguous copy (the
+    scale caches keep a page's heads innermost: a head's scales are strided). Keys past the request's length or on
+    a page outside the pool get 0 (the kernel masks them anyway). It costs 4 bytes per key and head, gathered over
+    the band (the table's capacity without a window, the window's tiles with one)."""
+    num_pages, block_size, _ = k_scales.shape
+    num_seqs, max_blocks = block_tables.shape
+    capacity = max_blocks * block_size
+    tiles_n = band_tiles(capacity, num_tokens, window_left)
+    seq = jnp.clip(seq_lens, 0, capacity)
+    if window_left < 0:
+        first = jnp.zeros((num_seqs,), jnp.int32)
+    else:  # the tile of the first key any of its tokens sees (kv_first of its first query block)
+        context = seq - (cu_query_lens[1:] - cu_query_lens[:-1])
+        first = jnp.maximum(context - window_left, 0) // BLOCK_N
+    pos = (first[:, None] * BLOCK_N + jnp.arange(tiles_n * BLOCK_N, dtype=jnp.int32)[None, :])  # [S, N]
+    logical = pos // block_size
+    page = jnp.take_along_axis(block_tables, jnp.minimum(logical, max_blocks - 1), axis=1)
+    ok = (pos < seq[:, None]) & (logical < max_blocks) & (page >= 0) & (page < num_pages)
+    page, row = jnp.where(ok, page, 0), pos % block_size
+    bands = [jnp.where(ok[..., None], x[page, row], 0.0).transpose(0, 2, 1) for x in (k_scales, v_scales)]
+    return first.astype(jnp.int32), *bands
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -135,19 +175,24 @@ def _tile_pages(table_ref, table_base, j, seq_len, key_lo, *, block_size: int, m
 
 def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref,
             *refs, group: int, block_q: int, rows_pad: int, max_blocks: int, block_size: int, slots: int,
-            num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, fp8: bool,
-            compiled: bool):
+            num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, scale_mode: str | None,
+            band_tiles: int, compiled: bool):
     # refs: [features f32[Hkv, FEATURE_ROWS, 64]] (ALiBi slopes / sinks by row), [FP8: f32[T], each token's raw
-    # scores' factor], o, lse, the scratch
+    # scores' factor], [per-token scales: i32[S] each request's first band tile, the K and V scale bands f32[S, Hkv,
+    # band_tiles * 64] (:func:`scale_bands`)], o, lse, the scratch
     refs = list(refs)
     feat_ref = refs.pop(0) if (mods.alibi or mods.sinks) else None
+    fp8 = scale_mode is not None
+    per_token = scale_mode == "token"
     scales_ref = refs.pop(0) if fp8 else None
+    band_first_ref, k_band_ref, v_band_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if per_token else (None,) * 3
     o_ref, lse_ref, scoped = refs
-    (q_smem, stage, k_smem, v_smem, lse_smem, feat_smem, p_smem, (k16, v16)), (q_bar, k_bar, v_bar), \
-        (k_free, v_free) = scoped
+    (q_smem, stage, k_smem, v_smem, lse_smem, feat_smem, p_smem, (k16, v16), (ks_smem, vs_smem)), \
+        (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     p, kv_head, split = lax.axis_index("block"), lax.axis_index("heads"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
+    pv_dtype = jnp.bfloat16 if per_token else dtype  # per-token V rows carry their scales: bf16's range
     head_dim = q_ref.shape[-1]
     num_pages = k_ref.shape[0]
 
@@ -201,12 +246,24 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                 factor = scales_ref[q_start + jnp.minimum(first + i, q_len - 1)]
                 k_factor = jnp.where(token == i, factor, k_factor)
 
-        def widen(fp8_tile, tile):
-            """``tile`` (fp16, swizzled) ← the FP8 tile as stored, for wgmma (which takes no mixed operands): 32-bit
+        def widen(fp8_tile, tile, row_scales=None):
+            """``tile`` (16-bit, swizzled) ← the FP8 tile as stored, for wgmma (which takes no mixed operands): 32-bit
             shared-memory loads of four FP8 values, converted to fp16 in pairs (exact: every e4m3 and e5m2 value is
-            an fp16 value), one shuffle into the 16-bit layout."""
-            x = plgpu.load(fp8_tile, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
-            tile[...] = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+            an fp16 value), one shuffle into the 16-bit layout. ``row_scales`` (per-token V scales, ``f32[64]`` in
+            shared memory): each row times its scale in float32, rounded once to ``tile``'s bf16 (whose exponent
+            range is float32's: no scale overflows or underflows it, where fp16 would), one FP8 swizzle tile of
+            columns at a time (float32 rows of 256 dims would take 128 registers a thread)."""
+            chunks = 1 if row_scales is None else head_dim // fp8_tile_cols(head_dim)
+            width = head_dim // chunks
+            for c in range(chunks):
+                src, dst = (fp8_tile, tile) if chunks == 1 else (fp8_tile.at[:, pl.ds(c * width, width)],
+                                                                 tile.at[:, pl.ds(c * width, width)])
+                x = plgpu.load(src, layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+                x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+                if row_scales is not None:
+                    factor = lax.broadcast_in_dim(plgpu.load(row_scales, layout=row_layout), x.shape, [0])
+                    x = (x.astype(jnp.float32) * factor).astype(tile.dtype)
+                dst[...] = x
             plgpu.commit_smem()
             return tile
 
@@ -234,6 +291,8 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             k_tile = k_smem.at[slot]
             if fp8:  # into 16 bits for wgmma, through registers; the FP8 slot is free again at once
                 k_tile = widen(k_tile, k16)
+                if per_token:  # each key's scale, by column (read before the slot is refilled)
+                    key_scales = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
 
             def qk(acc_ref):
@@ -243,8 +302,10 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, BLOCK_N), jnp.float32))
             if not fp8:
                 pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
-            if fp8:  # K scale over the query's power-of-two shift: q · k as the cache means it
+            if fp8:  # K scale over the query's power-of-two shift: q · k as the cache means it, in float32
                 s = s * lax.broadcast_in_dim(k_factor, s.shape, [0])
+                if per_token:  # and each key's own
+                    s = s * lax.broadcast_in_dim(key_scales, s.shape, [1])
             k_pos = iota(s.shape, 1) + j * BLOCK_N
             q_pos = q_first + lax.div(iota(s.shape, 0), jnp.int32(group))
             if mods.softcap > 0:  # tanh.approx.f32 (approx_math)
@@ -257,12 +318,12 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                 s = jnp.where(visible if window is None else visible & window, s, -jnp.inf)
             else:  # every key is the request's and every row sees it; a page id outside the pool is still masked
                 s = jnp.where(key_ok(j, k_pos, tile_pages), s, -jnp.inf)
-            m_i, alpha, p16, l_i = softmax.softmax_update_packed(m_i, l_i, s, dtype, 1, scale=exp_scale)
+            m_i, alpha, p16, l_i = softmax.softmax_update_packed(m_i, l_i, s, pv_dtype, 1, scale=exp_scale)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bar.at[slot])
             v_slot = v_smem.at[slot]
             if fp8:
-                v_slot = widen(v_slot, v16)
+                v_slot = widen(v_slot, v16, vs_smem.at[slot] if per_token else None)
                 pl.when(refilled)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
             whole = (j * BLOCK_N >= key_lo) & ((j + 1) * BLOCK_N <= seq_len)
             whole = functools.reduce(lambda w, page: w & page[3], tile_pages, whole)
@@ -296,24 +357,34 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
         if mods.sinks and num_splits == 1:  # split partials leave the sink to their merge
             sink2 = plgpu.load(feat_smem.at[1], layout=row_layout) * softmax.LOG2E
         out, lse = softmax.finalize(state, sink2)
-        q_smem[...] = out.astype(dtype)  # Q's last reader, the last Q Kᵀ, has completed
+        # the output tile: into Q's (its last reader, the last Q Kᵀ, has completed), or per token into the widened
+        # V tile's (bf16, as the output is: the values' own scale)
+        out_smem = v16 if per_token else q_smem
+        out_smem[...] = out.astype(out_smem.dtype)
         lse_smem[...] = lse
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, rows_pad)], o_ref.at[split, p, kv_head])
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows_pad)], o_ref.at[split, p, kv_head])
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_pad)], lse_ref.at[split, p, kv_head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(live & (wg == 1))
     def _memory():
+        band = (k_band_ref, ks_smem), (v_band_ref, vs_smem)
+
         def load(j, slot, k_ready=lambda: None, v_ready=lambda: None):
             tile_pages = pages(j)
-            for cache, smem, bar, ready in ((k_ref, k_smem, k_bar, k_ready), (v_ref, v_smem, v_bar, v_ready)):
+            for cache, smem, bar, ready, (band_ref, scales_smem) in (
+                    (k_ref, k_smem, k_bar, k_ready, band[0]), (v_ref, v_smem, v_bar, v_ready, band[1])):
                 ready()
                 for i, (page, offset, n, ok) in enumerate(tile_pages):
                     # a page not copied still arrives, with no bytes (a predicated copy, which the interpreter lacks)
                     pl.when(ok)(functools.partial(plgpu.copy_gmem_to_smem, cache.at[page, pl.ds(offset, n), kv_head],
                                                   smem.at[slot, pl.ds(i * n, n)], bar.at[slot]))
                     pl.when(jnp.logical_not(ok))(functools.partial(plgpu.barrier_arrive, bar.at[slot]))
+                if per_token:  # the tile's 64 scales, contiguous in the band (a tile the band lacks is all masked)
+                    at = jnp.clip(j - band_first_ref[b], 0, band_tiles - 1) * BLOCK_N
+                    plgpu.copy_gmem_to_smem(band_ref.at[b, kv_head, pl.ds(at, BLOCK_N)], scales_smem.at[slot],
+                                            bar.at[slot])
 
         for i in range(slots):
             pl.when(tile_start + i < kv_end)(functools.partial(load, tile_start + i, i))
@@ -348,17 +419,20 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
     """``(out [T, Hq, D], lse f32[T, Hq])``; arguments validated by :func:`pallas_attn.paged_attention` and
     :func:`supported`, ``cu_query_lens`` clamped (:func:`pallas_attn.core.metadata.clamp_cu`). ``split_size`` a
     multiple of 64 or None; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says; ``kv_scales``
-    an FP8 cache's ``(f32[2],)`` (k_scale, v_scale: :func:`pallas_attn.core.tiles.kv_scale_args`). Over an FP8
-    cache the kernel runs in fp16 whatever q's dtype: each token's query goes in after a power-of-two shift
+    an FP8 cache's scales (:func:`pallas_attn.core.tiles.kv_scale_args`). Per tensor (``(f32[2],)``: k_scale,
+    v_scale) the kernel runs in fp16 whatever q's dtype: each token's query goes in after a power-of-two shift
     (:func:`pallas_attn.core.tiles.query_rows_for_cache`; its inverse joins the K scale on the raw scores), the
-    outputs come out in fp16 and the V scale multiplies them once, in float32, on the way to q's dtype.
+    outputs come out in fp16 and the V scale multiplies them once, in float32, on the way to q's dtype. Per token
+    and head (the two scale caches ``f32[num_blocks, block_size, Hkv]``, brought by :func:`scale_bands`) the
+    scores are the same, each column times its key's scale in float32; each widened V row is multiplied by its
+    own scale into bf16 (whose range is float32's), so the probabilities and the output are bf16.
 
     ``short_splits = (num_splits, split_size)``: a batch with prefill chunks (``max_query_len > 16``) runs as two
     launches, the short queries (decode, verification) split by ``short_splits`` and the chunks by ``num_splits``
     / ``split_size``, each request's rows taken from its own launch: decodes beside chunks still split their long
     contexts (as :func:`pallas_attn.kernels.triton.paged.launch_splits` decides for the Triton kernel). None: one
     launch, one split plan."""
-    reason = supported(q, k_cache, tiles.kv_scales_mode(kv_scales))
+    reason = supported(q, k_cache)
     if reason is not None:
         raise ValueError(f"the Mosaic paged kernel does not support {reason}")
     for size in (split_size, short_splits[1] if short_splits else None):
@@ -372,13 +446,18 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
         vectors = [x.astype(jnp.float32) if x is not None else jnp.zeros((num_q_heads,), jnp.float32)
                    for x in (alibi_slopes, sinks)]
         features = [jnp.stack([v[heads] for v in vectors], axis=1)]  # [Hkv, FEATURE_ROWS, 64]
-    v_scale = None
-    if kv_scales:  # FP8: fp16 operands (one conversion of the pages), the query shifted into fp16's range
-        (scales,) = kv_scales
-        q_in, (q, shift), v_scale = q, tiles.query_rows_for_cache(q), scales[1]
-        kv_scales = (scales[0] / shift,)  # [T]: each token's raw scores' factor
+    q_in, v_scale, scale_mode = q, None, tiles.kv_scales_mode(kv_scales)
+    if scale_mode is not None:  # fp16 operands (one conversion of the pages), the query shifted into fp16's range
+        q, shift = tiles.query_rows_for_cache(q)
+        if scale_mode == "tensor":
+            (scales,) = kv_scales
+            kv_scales, v_scale = (scales[0] / shift,), scales[1]  # [T]: each token's raw scores' factor
+        else:
+            kv_scales = (1 / shift, *scale_bands(*kv_scales, block_tables, seq_lens, cu_query_lens, q.shape[0],
+                                                 mods.window_left))
     launch = functools.partial(_launch, q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
-                               [*features, *kv_scales], sinks, scale=scale, interpret=interpret, mods=mods)
+                               [*features, *kv_scales], sinks, scale=scale, interpret=interpret, mods=mods,
+                               scale_mode=scale_mode)
     if short_splits is None or max_query_len <= SHORT_QUERY_LEN:
         out, lse = launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size)
     else:
@@ -390,13 +469,13 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
         is_short = (q_lens[jnp.maximum(req, 0)] <= SHORT_QUERY_LEN)[:, None]
         out, lse = jnp.where(is_short[..., None], short[0], long[0]), jnp.where(is_short, short[1], long[1])
     if v_scale is not None:  # once, on the normalised (and merged: merging is linear in it) fp16 output
-        out = (out.astype(jnp.float32) * v_scale).astype(q_in.dtype)
-    return out, lse
+        out = out.astype(jnp.float32) * v_scale
+    return out.astype(q_in.dtype), lse
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, sinks, *, max_query_len: int,
             scale: float, num_splits: int, split_size: int | None, interpret: bool, mods: masks.ScoreMods,
-            query_class: str | None = None):
+            scale_mode: str | None, query_class: str | None = None):
     """One launch over the query blocks of the requests of ``query_class`` ("short": ``q_len <= 16``, "long": the
     others, None: all), its output tiles gathered into ``(out [T, Hq, D], lse f32[T, Hq])``: rows of other
     requests and padding rows 0 and -inf. ``extra``: the kernel's feature rows and FP8 scales (:func:`_kernel`)."""
@@ -417,13 +496,14 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
     block_req, block_first, cu_blocks = metadata.segment_items((counts + block_q - 1) // block_q, num_blocks)
     block_first = block_first * block_q
     slots = num_slots(head_dim)
-    fp8 = tiles.fp8_format(k_cache.dtype) is not None
+    fp8, per_token = scale_mode is not None, scale_mode == "token"
+    pv_dtype = jnp.bfloat16 if per_token else q.dtype  # P, V and the output tiles
     has_features = mods.alibi or mods.sinks
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
     # FP8 pages land as stored, in swizzled rows of up to 128 values (bytes): the compute warpgroup's 32-bit loads
     # widen them into the 16-bit tiles wgmma reads
-    fp8_cols = min(SWIZZLE, head_dim)
+    fp8_cols = fp8_tile_cols(head_dim)
     cache_layout = dict(transforms=(plgpu.TilingTransform((8, fp8_cols)), plgpu.SwizzleTransform(fp8_cols))) \
         if fp8 else tiled
     scratch = (
@@ -433,16 +513,18 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
          plgpu.SMEM((slots, BLOCK_N, head_dim), v_cache.dtype, **cache_layout),
          plgpu.SMEM((BLOCK_M,), jnp.float32),
          plgpu.SMEM((FEATURE_ROWS, BLOCK_M), jnp.float32) if has_features else None,
-         plgpu.SMEM((BLOCK_M, BLOCK_N), q.dtype, **tiled) if interpret else None,  # P (interpreter)
-         (plgpu.SMEM((BLOCK_N, head_dim), q.dtype, **tiled),) * 2 if fp8 else (None, None)),  # K, V widened
-        (plgpu.Barrier(num_arrivals=block_q + int(has_features)),
-         *[plgpu.Barrier(num_arrivals=BLOCK_N // copy_rows(block_size), num_barriers=slots)] * 2),
+         plgpu.SMEM((BLOCK_M, BLOCK_N), pv_dtype, **tiled) if interpret else None,  # P (interpreter)
+         (plgpu.SMEM((BLOCK_N, head_dim), q.dtype, **tiled),  # K, V widened (V per token: then the output)
+          plgpu.SMEM((BLOCK_N, head_dim), pv_dtype, **tiled)) if fp8 else (None, None),
+         (plgpu.SMEM((slots, BLOCK_N), jnp.float32),) * 2 if per_token else (None, None)),  # K, V scales by key
+        (plgpu.Barrier(num_arrivals=block_q + int(has_features)),  # a slot: its copies, and its scales per token
+         *[plgpu.Barrier(num_arrivals=BLOCK_N // copy_rows(block_size) + int(per_token), num_barriers=slots)] * 2),
         (plgpu.Barrier(num_barriers=slots),) * 2,
     )
     body = functools.partial(
         _kernel, group=group, block_q=block_q, rows_pad=rows_pad, max_blocks=max_blocks, block_size=block_size,
-        slots=slots, num_splits=num_splits, split_size=split_size, scale=scale, mods=mods, fp8=fp8,
-        compiled=not interpret)
+        slots=slots, num_splits=num_splits, split_size=split_size, scale=scale, mods=mods, scale_mode=scale_mode,
+        band_tiles=extra[-1].shape[-1] // BLOCK_N if per_token else 0, compiled=not interpret)
 
     def paged_kernel(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -453,7 +535,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
         interpret_params = InterpretGPUParams()
     o_tiles, lse_tiles = plgpu.kernel(
         paged_kernel,
-        out_type=[jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, rows_pad, head_dim), q.dtype),
+        out_type=[jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, rows_pad, head_dim), pv_dtype),
                   jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, rows_pad), jnp.float32)],
         grid=(num_blocks, num_kv_heads, num_splits), grid_names=("block", "heads", "split"),
         num_threads=2, thread_name="wg",
@@ -463,9 +545,9 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
       q.reshape(num_tokens, num_kv_heads, group, head_dim), k_cache, v_cache, *extra)
 
     rows, owned = _token_rows(cu_query_lens, cu_blocks, num_tokens, num_kv_heads, group, block_q, rows_pad)
-    out_dtype = q.dtype if num_splits == 1 else jnp.float32  # partials merge in float32
+    out_dtype = pv_dtype if num_splits == 1 else jnp.float32  # partials merge in float32
     out = o_tiles.reshape(num_splits, -1, head_dim)[:, rows].astype(out_dtype)
     lse = lse_tiles.reshape(num_splits, -1)[:, rows]
     out = jnp.where(owned[None, :, None, None], out, jnp.zeros((), out_dtype))
     lse = jnp.where(owned[None, :, None], lse, -jnp.inf)
-    return softmax.merge_split_outputs(out, lse, num_splits, q.shape, q.dtype, sinks if num_splits > 1 else None)
+    return softmax.merge_split_outputs(out, lse, num_splits, q.shape, pv_dtype, sinks if num_splits > 1 else None)
