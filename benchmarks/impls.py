@@ -338,8 +338,8 @@ def _on_gpu_mosaic(spec: Spec) -> bool:
     other shapes raise, which an error row would only repeat)."""
     from pallas_attn.core import backend
     from pallas_attn.kernels.mosaic import paged as mosaic_paged
-    paged = (spec.kind in ("decode", "ragged") and spec.head_dim in mosaic_paged.HEAD_DIMS
-             and spec.block_size % mosaic_paged.ROW_ALIGN == 0)
+    paged = (spec.kind in ("decode", "ragged") and spec.head_dim % 16 == 0
+             and spec.head_dim <= mosaic_paged.MAX_HEAD_DIM and spec.block_size % mosaic_paged.ROW_ALIGN == 0)
     return (spec.kind in PACKED_KINDS or paged) and backend.on_gpu()
 
 
