@@ -19,6 +19,9 @@ plain softmax over masked, soft-capped scores, the sink one more logit with no v
 
 Greedy decoding must pick the same tokens, and the logits of every step agree to a relative L2 of 1e-4.
 
+**Without the Pallas Triton backend** (deprecated by JAX, to be removed): both models in bf16, every kernel on
+Mosaic GPU, the same greedy tokens.
+
 **FP8 caches**: the same engine over e4m3 / e5m2 caches (per-tensor scales calibrated on the prompt, or per-token
 scale caches) against the float32 cache, along the float32 cache's tokens; how often greedy decoding diverges over
 more weights and prompts: ``python -m tests.test_models`` (``fp8_agreement``, docs/performance.md#fp8-kv-caches).
@@ -31,7 +34,9 @@ import functools
 import json
 import os
 import pathlib
+import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -165,12 +170,12 @@ TABLES = np.array([[5, 2], [0, 6]], np.int32)  # request 0: pages 5 then 2; requ
 FREE_PAGES = np.array([1, 3, 4, 7])  # no request owns them: NaN, so a read that leaks shows in the logits
 
 
-def empty_caches(cfg: ModelConfig, kv: tuple | None = None):
-    """One cache per layer, ``(k_cache, v_cache)`` ``[NUM_BLOCKS, BLOCK_SIZE, Hkv, D]`` float32, the free pages
+def empty_caches(cfg: ModelConfig, kv: tuple | None = None, dtype=jnp.float32):
+    """One cache per layer, ``(k_cache, v_cache)`` ``[NUM_BLOCKS, BLOCK_SIZE, Hkv, D]`` in ``dtype``, the free pages
     poisoned. ``kv = (fp8 dtype, "tensor" | "token")``: FP8 caches, with their scales as the tuple's tail: per
     tensor, set from the prompt's keys and values at the first write (:func:`write`); per token and head, scale
     caches (their free pages NaN too)."""
-    dtype, mode = kv or (jnp.float32, None)
+    dtype, mode = kv or (dtype, None)
     caches = []
     for _ in range(cfg.num_layers):
         k, v = pallas_attn.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype)
@@ -202,15 +207,20 @@ def read(cache) -> tuple:
     return cache[:2], dict(zip(("k_scale", "v_scale"), cache[2:]))
 
 
-def serve(params, cfg: ModelConfig, prompts, new_tokens: int, on_step=None, kv=None, forced=None):
+def serve(params, cfg: ModelConfig, prompts, new_tokens: int, on_step=None, kv=None, forced=None,
+          dtype=jnp.float32):
     """Packed prefill, then ``new_tokens - 1`` decode steps over the paged caches, greedy. Returns the new tokens
     and the logits that chose them, per request. ``on_step(step)`` runs after the prefill (step 0) and each decode
     step; ``kv``: FP8 caches (:func:`empty_caches`); ``forced``: the tokens to feed back (per request, as returned)
-    instead of the argmax, to compare two engines' logits along one token path."""
+    instead of the argmax, to compare two engines' logits along one token path; ``dtype``: of the kernels' q, k, v
+    and of the caches (the rest of the model stays float32)."""
     n = len(prompts)
     lens = np.array([len(p) for p in prompts])
     assert np.all(-(-(lens + new_tokens) // BLOCK_SIZE) <= TABLES.shape[1]), "the tables hold every token"
-    caches = empty_caches(cfg, kv)
+    caches = empty_caches(cfg, kv, dtype)
+
+    def cast(attend):  # the kernels' dtype in, float32 out
+        return lambda layer, *qkv: attend(layer, *(x.astype(dtype) for x in qkv)).astype(jnp.float32)
 
     # prefill: the prompts packed (bucketed to md.num_tokens rows; padding rows have slot -1, skipped by the write)
     md = pallas_attn.build_metadata(lens, np.zeros(n, np.int64), BLOCK_SIZE, num_blocks=NUM_BLOCKS,
@@ -226,7 +236,7 @@ def serve(params, cfg: ModelConfig, prompts, new_tokens: int, on_step=None, kv=N
         return pallas_attn.varlen_attention(q, k, v, md.cu_query_lens, max_seqlen=md.max_query_len,
                                             **kernel_features(params, cfg, layer))
 
-    logits = forward(params, cfg, tokens, positions, prefill_attend)[md.cu_query_lens[1:n + 1] - 1]
+    logits = forward(params, cfg, tokens, positions, cast(prefill_attend))[md.cu_query_lens[1:n + 1] - 1]
     step_logits = [logits]
     if on_step:
         on_step(0)
@@ -245,7 +255,7 @@ def serve(params, cfg: ModelConfig, prompts, new_tokens: int, on_step=None, kv=N
 
         next_tokens = (jnp.argmax(step_logits[-1], axis=-1).astype(jnp.int32) if forced is None
                        else jnp.asarray([f[step - 1] for f in forced], jnp.int32))
-        step_logits.append(forward(params, cfg, next_tokens, jnp.asarray(cached, jnp.int32), decode_attend))
+        step_logits.append(forward(params, cfg, next_tokens, jnp.asarray(cached, jnp.int32), cast(decode_attend)))
         cached = cached + 1
         if on_step:
             on_step(step)
@@ -353,6 +363,37 @@ def test_alternating_layers_compile_once_per_layer_kind():
           on_step=lambda step: programs.append((varlen._cache_size() - before[0], decode._cache_size() - before[1])))
     kinds = len(set(cfg.windows))
     assert programs == [(kinds, 0), (kinds, kinds), (kinds, kinds)]  # after the prefill, then each decode step
+
+
+# Both models in bf16 with JAX's Pallas Triton backend gone (as tests/test_no_triton.py simulates it): the prefill
+# and every decode step on the Mosaic GPU kernels (their interpreter on CPU), the same greedy tokens as the float32
+# dense model, the logits within bf16's error.
+SERVE_WITHOUT_TRITON = textwrap.dedent("""
+    import sys
+    sys.modules["jax.experimental.pallas.triton"] = None  # what a JAX without the backend does on import
+    import jax, jax.numpy as jnp
+    jax.config.update("jax_cpu_enable_async_dispatch", False)  # the Mosaic GPU interpreter: tests/conftest.py
+    from tests import test_models as m
+    assert not m.pallas_attn.core.backend.triton_available()
+    with jax.default_matmul_precision("highest"):
+        for cfg in (m.GPT_OSS, m.GEMMA2):
+            params = m.init_params(cfg, jax.random.key(0))
+            prompts = m._prompts(cfg)
+            tokens, logits = m.serve(params, cfg, prompts, m.NEW_TOKENS, dtype=jnp.bfloat16)
+            for prompt, got_tokens, got in zip(prompts, tokens, logits):
+                want_tokens, want = m.dense_generate(params, cfg, prompt, m.NEW_TOKENS)
+                assert got_tokens == want_tokens, (got_tokens, want_tokens)
+                assert float(m.relative_l2(got, want)) < 2e-2
+    print("OK")
+""")
+
+
+@pytest.mark.timeout(900)
+def test_models_served_without_the_triton_backend():
+    result = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_TRITON], capture_output=True, text=True,
+                            timeout=880, cwd=pathlib.Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.splitlines()[-1] == "OK", result.stdout
 
 
 FP8_CACHES = [(jnp.float8_e4m3fn, "tensor"), (jnp.float8_e4m3fn, "token"), (jnp.float8_e5m2, "tensor"),
