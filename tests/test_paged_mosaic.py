@@ -132,11 +132,11 @@ CORRUPT = [
 ]
 
 
-# the same over an FP8 cache (NaN in every slot no request owns, and in its scale per token), for the two ways out
-# of a request's pages
+# the same over an FP8 cache (NaN in every slot no request owns, and in its scale per token): per tensor for the two
+# ways out of a request's pages, per token for every case (its scales are gathered by the same table and lengths)
 CORRUPT_CASES = [(*c, None) for c in CORRUPT] + [
-    (f"e4m3_{mode}_{name}", fn, mode) for name, fn in CORRUPT if name in ("length_past_capacity", "page_past_pool")
-    for mode in ("tensor", "token")]
+    (f"e4m3_{mode}_{name}", fn, mode) for name, fn in CORRUPT for mode in ("tensor", "token")
+    if mode == "token" or name in ("length_past_capacity", "page_past_pool")]
 
 
 @pytest.mark.parametrize("name, corrupt, fp8", CORRUPT_CASES, ids=[c[0] for c in CORRUPT_CASES])
