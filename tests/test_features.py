@@ -142,9 +142,8 @@ def _decode_inputs(rng, hq=8, hkv=2, d=32, block_size=8):
     return q, kc, vc, bt, jnp.asarray(DECODE_LENS, jnp.int32)
 
 
-def _check_decode(args, num_splits, **kw):
-    out, lse = paged_decode_attention(*args, config=DecodeConfig(block_n=16), num_splits=num_splits,
-                                      return_lse=True, **kw)
+def _check_decode(args, split, **kw):
+    out, lse = paged_decode_attention(*args, config=DecodeConfig(block_n=16), return_lse=True, **split, **kw)
     ref, ref_lse = reference.paged_decode_attention(*args, return_lse=True, **kw)
     assert_attention_close(out, ref)
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(ref_lse)))
@@ -165,25 +164,61 @@ def _paged_features(rng, kw):
     return kw
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+# split-KV: none, 3 segments of each request's (windowed) tiles, fixed 16-key segments counted from the window's
+# first tile (a 70-key context holds more of them than its window needs)
+SPLITS = {"no-split": dict(num_splits=1), "split3": dict(num_splits=3), "split-size16": dict(split_size=16)}
+
+
+@pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("kw", [
     dict(window_size=(0, -1)), dict(window_size=(15, -1)), dict(window_size=(16, -1)), dict(window_size=(17, -1)),
     dict(window_size=(500, -1)), dict(softcap=2.0), "alibi", "sinks", "all",
 ], ids=["w0", "w15", "w16", "w17", "w500", "softcap", "alibi", "sinks", "all"])
-def test_decode_features(rng, kw, num_splits):
+def test_decode_features(rng, kw, split):
     args = _decode_inputs(rng)
     kw = _paged_features(rng, kw)
-    _check_decode(args, num_splits, **kw)
+    _check_decode(args, SPLITS[split], **kw)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("split", ["no-split", "split3"])
 @pytest.mark.parametrize("head_dim, block_size", [(320, 48), (512, 16)])
-def test_decode_features_wide_heads_and_pages(rng, head_dim, block_size, num_splits):
+def test_decode_features_wide_heads_and_pages(rng, head_dim, block_size, split):
     """Every feature at once with heads padded to 512 and pages of 48 (16-key tiles inside a page, a window edge
     inside a page)."""
     args = _decode_inputs(rng, d=head_dim, block_size=block_size)
-    _check_decode(args, num_splits, window_size=(20, -1), softcap=3.0, alibi_slopes=_heads(rng, 0.01, 0.3, 8),
+    _check_decode(args, SPLITS[split], window_size=(20, -1), softcap=3.0, alibi_slopes=_heads(rng, 0.01, 0.3, 8),
                   sinks=_heads(rng, -1, 1, 8))
+
+
+@pytest.mark.parametrize("block_n, split_size", [(16, 16), (16, 32), (64, 64)])
+@pytest.mark.parametrize("block_tokens", [1, 6, 16])
+@pytest.mark.parametrize("left", [0, 1, 15, 16, 17, 100])
+def test_fixed_split_segments_cover_the_window(block_n, split_size, block_tokens, left):
+    """Fixed split segments start at a query block's first window tile, and the static segment count
+    (``keys_read``) covers every tile the unsplit plan reads, each once, wherever the block sits."""
+    from pallas_attn.core import tiles
+    from pallas_attn.ops.paged import keys_read
+
+    mods = masks.ScoreMods(left, 0, 0.0, False, False)
+    table, cache = np.zeros((1, 512)), np.zeros((1, 16, 1, 1))  # a capacity of 8,192 keys
+    num_splits = -(-keys_read(table, cache, mods, block_tokens, block_n) // split_size)
+    q_first = jnp.arange(0, 700, dtype=jnp.int32)
+    q_last = q_first + block_tokens - 1
+    kv_len = q_last + 1
+
+    def tiles_read(split, splits, size):
+        start, _, _, end, _ = tiles.paged_tile_plan(q_first, q_last, kv_len, block_n, split, splits, size, mods,
+                                                    guarded=False)
+        return np.asarray(start), np.asarray(end)
+
+    start, end = tiles_read(0, 1, None)
+    covered = np.zeros_like(start)
+    for split in range(num_splits):
+        s, e = tiles_read(split, num_splits, split_size)
+        seen = np.maximum(e - s, 0)
+        assert np.all((seen == 0) | ((s >= start) & (e <= end)))
+        covered += seen
+    np.testing.assert_array_equal(covered, end - start)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -251,6 +286,9 @@ RAGGED_PLANS = {
     "split3": dict(config=DecodeConfig(block_n=16, block_q=4), num_splits=3),
     "two-launches-split2": dict(config=DecodeConfig(block_n=16), chunk_config=DecodeConfig(block_n=16, block_q=16),
                                 num_splits=2),
+    "split-size16": dict(config=DecodeConfig(block_n=16, block_q=4), split_size=16),
+    "two-launches-split-size32": dict(config=DecodeConfig(block_n=16),
+                                      chunk_config=DecodeConfig(block_n=16, block_q=16), split_size=32),
 }
 
 
@@ -262,7 +300,8 @@ WINDOWS = {f"w{l}" + (f"-{r}" if r >= 0 else ""): dict(window_size=(l, r))
            for l, r in [(0, -1), (15, -1), (16, -1), (17, -1), (500, -1), (4, 2)]}
 
 
-@pytest.mark.parametrize("kw, plan", _cases(WINDOWS, ["one-launch", "two-launches-split2"])
+@pytest.mark.parametrize("kw, plan", _cases(WINDOWS, ["one-launch", "two-launches-split2", "split-size16",
+                                                     "two-launches-split-size32"])
                          + _cases(dict(softcap=dict(softcap=2.0), alibi="alibi"), ["two-launches"])
                          + _cases(dict(sinks="sinks"), list(RAGGED_PLANS))
                          + _cases(dict(all="all"), ["two-launches", "split3"]))

@@ -197,14 +197,18 @@ def test_long_mixed_compiled(rng):
         _check(out, lse, args, jnp.bfloat16, q_lens)
 
 
-def test_batch_invariance_fixed_split_size(rng):
-    """Under split_size, a verification request's output is bit-identical alone or moved within the batch."""
+@pytest.mark.parametrize("window", [(-1, -1), (40, -1)])
+def test_batch_invariance_fixed_split_size(rng, window):
+    """Under split_size, a verification request's output is bit-identical alone or moved within the batch (with a
+    window too: its segments count from the window's first tile, the request's own)."""
     q_lens, seq_lens = [6, 1, 30, 6], [200, 40, 90, 7]
     q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, 16, 8, 2, 64, jnp.bfloat16, pad=0)
     run = lambda q, bt, sl, cu: np.asarray(
         paged_attention(q, kc, vc, bt, sl, cu, max_query_len=32, split_size=32, config=SMALL,
-                        chunk_config=SMALL), np.float32)
+                        chunk_config=SMALL, window_size=window), np.float32)
     full = run(q, bt, sl, cu)
+    assert_attention_close(full, reference.paged_attention(q, kc, vc, bt, sl, cu, window_size=window),
+                           dtype=jnp.bfloat16)
     alone = run(q[:6], bt[:1], sl[:1], jnp.array([0, 6], jnp.int32))
     np.testing.assert_array_equal(full[:6], alone)
     perm = np.array([2, 1, 0, 3])

@@ -35,6 +35,8 @@ SCENARIOS = {
     "window_gqa2_bs16": ([1, 4, 9], [10, 200, 150], 16, 4, 2, 64, dict(window_size=(40, -1))),
     "softcap_alibi_sinks": ([1, 4, 2], [10, 200, 65], 16, 4, 2, 64, dict(softcap=30.0, alibi=True, sinks=True)),
     "d256_mqa_fp16": ([8, 1], [60, 70], 16, 2, 1, 256, dict(dtype=jnp.float16)),
+    # fixed 64-key segments counted from each block's window: contexts hold many more than the window needs
+    "window_split_size_long": ([1, 3, 1], [300, 260, 40], 16, 4, 2, 64, dict(window_size=(20, -1), split_size=64)),
     "window_right_sinks_split": ([1, 3], [70, 140], 16, 4, 2, 64,
                                  dict(num_splits=2, window_size=(20, 0), sinks=True)),
     "gqa16_verify": ([4, 2], [90, 4], 16, 16, 1, 64, dict(window_size=(30, -1))),

@@ -390,15 +390,18 @@ def paged_tile_plan(q_first, q_last, kv_len, block_n: int, split, num_splits: in
 
 
 def split_tile_range(split, num_splits: int, kv_len, block_n: int, split_size: int | None, first_tile=0):
-    """Key tiles ``[tile_start, tile_end)`` of split ``split`` (split-KV segments, aligned to ``block_n``).
+    """Key tiles ``[tile_start, tile_end)`` of split ``split`` (split-KV segments, aligned to ``block_n``), counted
+    from ``first_tile`` (a left window's first tile, else 0: tiles before it are never read).
 
     Fixed ``split_size`` (tokens, a multiple of ``block_n``): segment ``s`` is ``[s*split_size, (s+1)*split_size)``
-    whatever else is in the batch (batch invariant). Otherwise the request's tiles from ``first_tile`` on (a
-    window's first) are shared out evenly among ``num_splits`` segments.
+    keys past ``first_tile``'s first, whatever else is in the batch (batch invariant: ``first_tile`` is the
+    program's own). Otherwise the request's tiles from ``first_tile`` on are shared out evenly among ``num_splits``
+    segments. Either way ``num_splits`` segments must cover the keys a program reads
+    (:func:`pallas_attn.ops.paged.keys_read`).
     """
     if split_size is not None:
         per = split_size // block_n
-        return split * per, (split + 1) * per
+        return first_tile + split * per, first_tile + (split + 1) * per
     tiles_total = (kv_len + block_n - 1) // block_n
     per = (tiles_total - first_tile + num_splits - 1) // num_splits
     return first_tile + split * per, jnp.minimum(first_tile + (split + 1) * per, tiles_total)

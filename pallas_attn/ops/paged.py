@@ -54,12 +54,15 @@ def select_backend(function: str, backend: str | None, q, k_cache, split_size: i
                                       function=function)
 
 
-def keys_read(block_tables, k_cache, mods: masks.ScoreMods, max_query_len: int, block_n: int) -> int:
-    """The most keys a query block reads, for the split heuristics: the table's capacity, or with a left window the
-    window of ``max_query_len`` queries plus the one more ``block_n``-key tile a window straddles."""
+def keys_read(block_tables, k_cache, mods: masks.ScoreMods, block_tokens: int, block_n: int) -> int:
+    """The most keys, in whole ``block_n``-key tiles, that one query block of ``block_tokens`` tokens reads: the
+    table's capacity, or with a left window its rows' window (``left + block_tokens - 1`` keys before its last row)
+    and the two tiles it may straddle at its ends. Split-KV counts its segments from the window's first tile
+    (:func:`pallas_attn.core.tiles.split_tile_range`), so ``cdiv(keys, split_size)`` of them cover every key read;
+    the split heuristics cap their counts by it."""
     keys = block_tables.shape[1] * k_cache.shape[1]
     if mods.window_left >= 0:
-        keys = min(keys, mods.window_left + max_query_len + block_n)
+        keys = min(keys, mods.window_left + block_tokens + 2 * block_n)
     return keys
 
 
@@ -148,7 +151,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
                          f"chunk_config.block_n={chunk_cfg.block_n}) when max_query_len={max_query_len} > "
                          f"{triton_paged.SHORT_QUERY_LEN}; pass a larger split_size or a chunk_config with a smaller "
                          f"block_n")
-    keys = keys_read(block_tables, k_cache, mods, max_query_len, max(cfg.block_n, chunk_cfg.block_n))
+    block_tokens = block_q
+    if two_pass:  # the prefill chunks' blocks
+        block_tokens = max(block_q, triton_paged.chunk_block_tokens(max_query_len, group_padded, chunk_cfg,
+                                                                    q.shape[-1], q.dtype.itemsize))
+    keys = keys_read(block_tables, k_cache, mods, block_tokens, max(cfg.block_n, chunk_cfg.block_n))
     short_splits = None
     if two_pass and num_splits is None and split_size is None:
         short_splits, chunk_splits = triton_paged.launch_splits(q.shape, q.dtype.itemsize, k_cache.shape,
@@ -180,8 +187,8 @@ def _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_sl
     balance included; chunks only when their programs cannot fill the GPU); a split given: one plan for both."""
     block_n = mosaic_paged.BLOCK_N
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
-    keys = keys_read(block_tables, k_cache, mods, max_query_len, block_n)
-    block_q = mosaic_paged.query_block_tokens(max_query_len, q.shape[1] // num_kv_heads)
+    block_q = mosaic_paged.query_block_tokens(max_query_len, q.shape[1] // num_kv_heads)  # the largest launch's
+    keys = keys_read(block_tables, k_cache, mods, block_q, block_n)
     short_splits = None
     if max_query_len > mosaic_paged.SHORT_QUERY_LEN and num_splits is None and split_size is None:
         short_splits = config_lib.resolve_splits(num_seqs * num_kv_heads, keys, block_n, None, None)
