@@ -21,8 +21,8 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
                          ``paged_decode_attention``, the others through ``paged_attention``)
   pallas_attn/mosaic     ``backend="mosaic"``, the Hopper kernels (GPU only): varlen prefill (in a training step
                          forward and backward: ``backward_backend="mosaic"``), paged decode and ragged batches
-                         whose cache the Mosaic paged kernel takes (q's dtype or FP8, head dims a multiple of 16
-                         up to 256), dense MLA (L1, L2)
+                         whose cache the Mosaic paged kernel takes (q's dtype or FP8, head dim 64 / 128 / 256),
+                         dense MLA (L1, L2)
   pallas_attn/triton     varlen prefill / training step / sparse MLA with ``backend="triton"`` (the default picks
                          per GPU and shape)
   pallas_attn/<NAME>     a ``--variant NAME:key=value,...`` of the command line (:mod:`benchmarks.variants`)
@@ -339,8 +339,8 @@ def _on_gpu_mosaic(spec: Spec) -> bool:
     (the default runs the Triton kernel there: this row is what a backend rule would be drawn from)."""
     from pallas_attn.core import backend
     from pallas_attn.kernels.mosaic import paged as mosaic_paged, sparse_mla as mosaic_mla
-    paged = (spec.kind in ("decode", "ragged") and spec.head_dim % 16 == 0
-             and spec.head_dim <= mosaic_paged.MAX_HEAD_DIM and spec.block_size % mosaic_paged.ROW_ALIGN == 0)
+    paged = (spec.kind in ("decode", "ragged") and spec.head_dim in mosaic_paged.HEAD_DIMS
+             and spec.block_size % mosaic_paged.ROW_ALIGN == 0)
     mla = spec.kind == "mla" and mosaic_mla.supported(
         jax.ShapeDtypeStruct((1, spec.num_q_heads, spec.head_dim), jnp.bfloat16), spec.kv_lora_rank) is None
     return (spec.kind in PACKED_KINDS or paged or mla) and backend.on_gpu()

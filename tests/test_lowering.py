@@ -65,8 +65,7 @@ def test_paged_ragged(tokens, seqs, max_query_len, max_blocks):
 
 # The Mosaic paged kernel at the standard and model shapes: D1 (GQA 4, pages of 16: four copies a tile), a TP-8
 # shard of Llama-3.1-70B (one KV head, group 8), Gemma-3 decode (head dim 256, two slots), V1 and M1 in one launch,
-# pages of 64 with a window, soft-cap, ALiBi and sinks, pages of 544 (hybrid models), and head dims 96 (Phi-3), 80
-# and 192.
+# pages of 64 with a window, soft-cap, ALiBi and sinks, and pages of 544 (hybrid models).
 MOSAIC_PAGED = {
     "d1": (64, 64, 1, 512, 16, 32, 8, 128, {}),
     "tp8_shard": (64, 64, 1, 512, 16, 8, 1, 128, dict(num_splits=4)),
@@ -75,9 +74,6 @@ MOSAIC_PAGED = {
     "m1": (2152, 68, 512, 512, 16, 32, 8, 128, dict(split_size=1024)),
     "bs64_features": (256, 16, 32, 256, 64, 64, 8, 64, dict(alibi=True, sinks=True)),
     "bs544_hybrid": (64, 64, 1, 32, 544, 16, 2, 128, {}),  # Qwen3-Next-style pages: copies of 32 rows
-    "phi3_d96": (64, 64, 1, 256, 16, 32, 32, 96, dict(window_size=(2047, 0))),  # tiles swizzled by 64 bytes
-    "d80_verify": (192, 32, 6, 256, 16, 32, 8, 80, {}),  # by 32 bytes
-    "d192_chunk": (600, 4, 512, 256, 64, 16, 4, 192, {}),  # two slots, as at 256
 }
 
 

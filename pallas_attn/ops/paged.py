@@ -109,7 +109,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
         prefill-sized tiles; default :func:`pallas_attn.core.config.default_chunk_config`.
       backend: "triton" or "mosaic": the Hopper kernel of :mod:`pallas_attn.kernels.mosaic.paged` (64-row query
         blocks, 64-key tiles, TMA page copies; bf16 / fp16 queries over a cache of q's dtype or FP8 (either
-        scale mode), head dims a multiple of 16 up to 256 (of 32 over FP8), page sizes 8 or a multiple of 16,
+        scale mode), head dims 64, 128, 256, page sizes 8 or a multiple of 16,
         ``split_size`` a multiple of 64 — anything else raises ``ValueError`` naming it; interpreted on CPU by the
         Mosaic GPU interpreter). None: the Triton kernel while JAX ships its backend (or a config is given), else
         the Mosaic kernel where it applies.

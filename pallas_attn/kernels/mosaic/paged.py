@@ -40,10 +40,8 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   multiplies its score column in float32, and each value row is widened times its own scale into bf16 (float32's
   range), so that P, V and the output are bf16.
 
-Head dims that are multiples of 16 up to 256 (of 32 over an FP8 cache), natively: a head's tiles are swizzled by
-128 bytes where its rows allow, else by 64 or 32 (head dim 96: 64; 80: 32; :func:`head_swizzle`); bf16 / fp16
-queries over a cache of q's dtype or FP8 (either scale mode), page sizes that are multiples of 8, groups up to 64
-(:func:`supported`); the Triton kernel takes the rest.
+Head dims 64, 128 and 256, bf16 / fp16 queries over a cache of q's dtype or FP8 (either scale mode), page sizes
+that are multiples of 8, groups up to 64 (:func:`supported`); the Triton kernel takes the rest.
 
 Interpret mode (CPU): the Mosaic GPU interpreter runs this kernel with the same two limits as the Mosaic prefill's
 (:mod:`pallas_attn.kernels.mosaic.prefill`): P reaches wgmma through shared memory, and each ``P V`` is a fresh
@@ -65,7 +63,7 @@ from pallas_attn.core import config as config_lib, masks, metadata, softmax, til
 
 BLOCK_M = 64  # rows of a query block (tokens × group): one wgmma M tile
 BLOCK_N = 64  # keys per K/V slot
-MAX_HEAD_DIM = 256  # the float32 accumulator [64, D] of one compute warpgroup: D / 2 registers a thread
+HEAD_DIMS = (64, 128, 256)  # rows of 128-byte swizzle tiles (head dim 96 with 64-byte ones faulted on an H100)
 SWIZZLE = 128  # bytes: a 64-wide bf16 column tile per 8-row group, the wgmma operand layout
 TILE_COLS = 64  # 16-bit columns of one swizzle tile
 ROW_ALIGN = 8  # rows of the tiled shared-memory layout: output tiles are stored in whole 8-row groups
@@ -82,11 +80,8 @@ def supported(q, k_cache) -> str | None:
         return f"dtype {q.dtype} (bf16 / fp16 only)"
     if tiles.fp8_format(k_cache.dtype) is None and k_cache.dtype != q.dtype:
         return f"a {k_cache.dtype} cache (q's dtype or FP8 only)"
-    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:  # wgmma contracts 16 dims a step
-        return f"head_dim={head_dim} (supported: multiples of 16 up to {MAX_HEAD_DIM})"
-    if tiles.fp8_format(k_cache.dtype) is not None and not head_swizzle(head_dim, 1):
-        return (f"head_dim={head_dim} over an FP8 cache (supported: multiples of 32: FP8 rows of {head_dim} bytes "
-                f"admit no shared-memory swizzle)")
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim={head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})"
     if block_size % ROW_ALIGN:
         return f"block_size={block_size} (supported: multiples of {ROW_ALIGN}: a TMA copy lands whole 8-row groups)"
     if q.shape[1] // num_kv_heads > BLOCK_M:
@@ -116,22 +111,9 @@ def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
     return max(1, (num_tokens + num_seqs * (block_q - 1)) // block_q)
 
 
-def head_swizzle(head_dim: int, itemsize: int) -> int:
-    """Bytes of the swizzle of a ``[rows, head_dim]`` tile in shared memory: 128 (a 64-wide bf16 column tile per
-    8-row group) where the rows' bytes allow, else 64 or 32 (head dim 96: 64; head dim 80: 32), 0 where none
-    divides them."""
-    return next((s for s in (SWIZZLE, 64, 32) if head_dim * itemsize % s == 0), 0)
-
-
-def head_layout(head_dim: int, itemsize: int) -> dict:
-    """The transforms of a ``[rows, head_dim]`` tile of ``itemsize``-byte values (:func:`head_swizzle`)."""
-    swizzle = head_swizzle(head_dim, itemsize)
-    return dict(transforms=(plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
-
-
 def fp8_tile_cols(head_dim: int) -> int:
-    """Columns of one swizzle tile of an FP8 page in shared memory (one byte a value)."""
-    return head_swizzle(head_dim, 1)
+    """Columns of one swizzle tile of an FP8 page in shared memory: rows of up to 128 one-byte values."""
+    return min(SWIZZLE, head_dim)
 
 
 def band_tiles(capacity: int, num_tokens: int, window_left: int) -> int:
@@ -519,20 +501,21 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
     has_features = mods.alibi or mods.sinks
 
     tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
-    heads = head_layout(head_dim, 2)  # tiles of head_dim columns: Q, K, V, the output
     # FP8 pages land as stored, in swizzled rows of up to 128 values (bytes): the compute warpgroup's 32-bit loads
     # widen them into the 16-bit tiles wgmma reads
-    cache_layout = head_layout(head_dim, 1) if fp8 else heads
+    fp8_cols = fp8_tile_cols(head_dim)
+    cache_layout = dict(transforms=(plgpu.TilingTransform((8, fp8_cols)), plgpu.SwizzleTransform(fp8_cols))) \
+        if fp8 else tiled
     scratch = (
-        (plgpu.SMEM((BLOCK_M, head_dim), q.dtype, **heads),  # Q, then the output tile
+        (plgpu.SMEM((BLOCK_M, head_dim), q.dtype, **tiled),  # Q, then the output tile
          plgpu.SMEM((BLOCK_M, head_dim), q.dtype),  # Q as it lands, untiled: tokens × group rows
          plgpu.SMEM((slots, BLOCK_N, head_dim), k_cache.dtype, **cache_layout),
          plgpu.SMEM((slots, BLOCK_N, head_dim), v_cache.dtype, **cache_layout),
          plgpu.SMEM((BLOCK_M,), jnp.float32),
          plgpu.SMEM((FEATURE_ROWS, BLOCK_M), jnp.float32) if has_features else None,
          plgpu.SMEM((BLOCK_M, BLOCK_N), pv_dtype, **tiled) if interpret else None,  # P (interpreter)
-         (plgpu.SMEM((BLOCK_N, head_dim), q.dtype, **heads),  # K, V widened (V per token: then the output)
-          plgpu.SMEM((BLOCK_N, head_dim), pv_dtype, **heads)) if fp8 else (None, None),
+         (plgpu.SMEM((BLOCK_N, head_dim), q.dtype, **tiled),  # K, V widened (V per token: then the output)
+          plgpu.SMEM((BLOCK_N, head_dim), pv_dtype, **tiled)) if fp8 else (None, None),
          (plgpu.SMEM((slots, BLOCK_N), jnp.float32),) * 2 if per_token else (None, None)),  # K, V scales by key
         (plgpu.Barrier(num_arrivals=block_q + int(has_features)),  # a slot: its copies, and its scales per token
          *[plgpu.Barrier(num_arrivals=BLOCK_N // copy_rows(block_size) + int(per_token), num_barriers=slots)] * 2),
