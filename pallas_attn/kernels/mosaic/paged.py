@@ -63,7 +63,7 @@ from pallas_attn.core import config as config_lib, masks, metadata, softmax, til
 
 BLOCK_M = 64  # rows of a query block (tokens × group): one wgmma M tile
 BLOCK_N = 64  # keys per K/V slot
-HEAD_DIMS = (64, 128, 256)  # rows of 128-byte swizzle tiles (head dim 96 with 64-byte ones faulted on an H100)
+HEAD_DIMS = (64, 128, 256)  # whole 128-byte swizzle tiles (narrower ones: docs/performance.md#paged-backends)
 SWIZZLE = 128  # bytes: a 64-wide bf16 column tile per 8-row group, the wgmma operand layout
 TILE_COLS = 64  # 16-bit columns of one swizzle tile
 ROW_ALIGN = 8  # rows of the tiled shared-memory layout: output tiles are stored in whole 8-row groups
