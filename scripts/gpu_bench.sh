@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The benchmark harness on a GPU machine: installs the wheels carried in .whl/ (jax-triton, for the naive_triton
-# anchor: run scripts/fetch_wheels.sh where pip works), then runs every workload with a time budget.
+# The benchmark harness on a GPU machine: installs the wheels carried in .whl/ (jax-triton for the naive_triton
+# anchor, tokamax for tokamax_mosaic: run scripts/fetch_wheels.sh where pip works), then runs every workload with a
+# time budget.
 # Usage: bash scripts/gpu_bench.sh OUT_DIR [BUDGET_S (default 540)] [more benchmarks.run flags ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
