@@ -260,6 +260,14 @@ def fp8_pairs(pairs, fmt: str, dtype, compiled: bool):
     return even.astype(dtype), odd.astype(dtype)
 
 
+def fp8_tile(pairs, fmt: str, dtype, compiled: bool):
+    """``uint16[N, W]`` FP8 pairs (:func:`as_fp8_pairs`) → ``dtype[N, 2W]``, the head dims in their natural order,
+    exact: :func:`fp8_pairs` joined back pair by pair. Compiled, the join (``tt.join``) costs nothing when the tile
+    is a dot's K-major operand (``Q Kᵀ``): each converted pair is already two neighbouring dims of one register."""
+    even, odd = fp8_pairs(pairs, fmt, dtype, compiled)
+    return jnp.stack([even, odd], axis=-1).reshape(pairs.shape[0], 2 * pairs.shape[1])
+
+
 def fp16_shift(top):
     """The power of two that puts a largest magnitude ``top`` in ``[2**14, 2**15)`` (1 where ``top <= 0``): every
     bf16 value within 2**24 of the largest is then an fp16 value, exactly, and none overflows."""
@@ -308,23 +316,29 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
     page id outside the pool are never loaded and score ``-inf``. ``kv_first``: with a left window, the first key
     any row of the tile sees; masked tiles neither read the table nor load keys below it (those slots, or whole
     pages, may be freed and hold anything). ``fp8``: the refs hold an FP8 cache as ``uint16`` pairs
-    (:func:`as_fp8_pairs`), ``cols`` their ``Dp/2`` columns and ``q`` the ``(even, odd)`` dims (:func:`pair_cols`);
-    each tile becomes its even and odd dims (:func:`fp8_pairs`, exact), the scores sum a dot of each and the state's
-    accumulator holds both; ``scale`` then carries a per-tensor K scale (:func:`kv_scales`). ``token_scales``:
+    (:func:`as_fp8_pairs`) and ``cols`` are their ``Dp/2`` columns, converted exactly. Each value tile becomes its
+    even and odd dims, ``[N, Dp/2]`` each (:func:`fp8_pairs`), whose ``P V`` products the state's accumulator holds
+    as a pair (:func:`pair_cols` stores them). A key tile follows ``q``: with ``q`` as its ``(even, odd)`` dims
+    (:func:`pair_cols`) it splits the same way and the scores sum two dots; with ``q [M, Dp]`` in the dims' order it
+    is joined back (:func:`fp8_tile`) for one dot. Which is faster depends on the kernel (the decode kernel keeps the
+    pairs: docs/performance.md#fp8-kv-caches). ``scale`` then carries a per-tensor K scale (:func:`kv_scales`).
+    ``token_scales``:
     per-(token, head) scale refs ``(k_scales, v_scales)``, read with the tile's rows: each key's scale multiplies
     its column of raw scores, each value's joins its column of probabilities for ``P V``
     (:func:`softmax.online_softmax_step`).
     """
-    dtype = (q[0] if fp8 else q).dtype
+    key_pairs = isinstance(q, tuple)  # the query as (even, odd) dims: FP8 key tiles split the same way
+    dtype = (q[0] if key_pairs else q).dtype
 
     def load_kv(rows, row_mask=None):  # [N, Dp] each, or (even, odd) [N, Dp/2] pairs; in q's dtype
         k, v = load_rows(k_ref, rows, cols, row_mask), load_rows(v_ref, rows, cols, row_mask)
         if fp8:
-            return fp8_pairs(k, fp8, dtype, compiled), fp8_pairs(v, fp8, dtype, compiled)
+            keys = fp8_pairs if key_pairs else fp8_tile
+            return keys(k, fp8, dtype, compiled), fp8_pairs(v, fp8, dtype, compiled)
         return k, v
 
     def qk(k):  # [M, N] raw scores
-        if fp8:
+        if key_pairs:
             return dot(q[0], k[0].T) + dot(q[1], k[1].T)
         return dot(q, k.T)
 

@@ -145,9 +145,10 @@ def _ragged_kernel(
     num_q_blocks = block_req_ref.shape[0]
     group = num_q_heads // num_kv_heads
     padded = q_ref.shape[-1]
-    cols = tiles.Cols(head_dim, padded)  # output rows: merges and zeroed padding
-    # q / attention output columns; an FP8 cache's pages are uint16 pairs of dims (tiles.as_fp8_pairs)
-    q_cols = tiles.pair_cols(head_dim, padded) if fp8 else cols
+    cols = tiles.Cols(head_dim, padded)  # q, and the output rows of merges and zeroed padding
+    # attention output columns: an FP8 cache's pages are uint16 pairs of dims (tiles.as_fp8_pairs) and the output
+    # then comes as its even and odd dims (tiles.paged_kv_step)
+    out_cols = tiles.pair_cols(head_dim, padded) if fp8 else cols
     kv_cols = tiles.Cols(head_dim // 2, padded // 2) if fp8 else cols
     r = jnp.arange(block_q * group_padded)
     tok_in_block = r // group_padded
@@ -172,7 +173,9 @@ def _ragged_kernel(
             cu_query_lens_ref, seq_lens_ref, req, first, tok_in_block, max_blocks * block_size)
         row_valid = (tok < q_len) & (g < group)
         q_rows = jnp.where(row_valid, (q_start + tok) * num_q_heads + kv_head * group + g, oob)
-        q = tiles.load_parts(q_ref, q_rows, q_cols, row_valid)  # [M, Dp] (FP8: even and odd dims)
+        # [M, Dp] in the dims' order, also over an FP8 cache: its key tiles are then joined back for one dot, measured
+        # faster here than even and odd dims (docs/performance.md#fp8-kv-caches)
+        q = tiles.load_rows(q_ref, q_rows, cols, row_valid)
         q, score_scale = tiles.query_for_cache(q, fp8, scale)
         q_pos = context + tok  # absolute positions: the rectangle + triangle of verification
         q_last = context + jnp.minimum(first + block_q, q_len) - 1
@@ -197,10 +200,10 @@ def _ragged_kernel(
             out = jax.tree.map(lambda o: o * v_scale, out)
         if compact:  # the whole tile, invalid rows included: the merge reads only valid ones
             rows = ((split * num_q_blocks + p) * num_kv_heads + kv_head) * r.shape[0] + r
-            tiles.store_parts(o_ref, rows, q_cols, out)
+            tiles.store_parts(o_ref, rows, out_cols, out)
             tiles.store_vector(lse_ref, rows, lse)
         else:
-            tiles.store_parts(o_ref, out_base + q_rows, q_cols, out, row_valid)
+            tiles.store_parts(o_ref, out_base + q_rows, out_cols, out, row_valid)
             tiles.store_vector(lse_ref, out_base + q_rows, lse, row_valid)
 
     if not zero_padding:  # a later pass: the first one zeroed the padding rows
