@@ -264,22 +264,30 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
 
         # The scale stays folded into the exponential's FMA (softmax_update_packed), so soft-cap and ALiBi are
         # written in the units of the scores they leave: the raw score, or with soft-cap tanh(s · scale / cap),
-        # whose cap joins the scale. ALiBi adds slope_h · (key - query) in those units.
+        # whose cap joins the scale. ALiBi adds slope_h · (key - query) in those units, split as
+        # slope_h · (key - q0) - slope_h · (query - q0) around the tile's first row q0: the loop adds only the first
+        # term, one value per column of a step (a score costs one add, not a distance of its own), and the second,
+        # a constant per row, leaves the softmax unchanged: it comes off the running max after the loop, so the
+        # LSE and the sink see the true scores. Near the diagonal, where the weights are, key - q0 stays small.
         exp_scale = (mods.softcap if mods.softcap > 0 else scale) * softmax.LOG2E
         slope = slopes_ref[q_head] * (softmax.LOG2E / exp_scale) if mods.alibi else None
-        # A distance as a float without an int-to-float conversion a score (those issue at the exponential's
-        # quarter rate on sm_90): exact while |key - query| < 2^22; a tile's rows start at most 7 before its
-        # request, so max_seqlen + BLOCK_Q bounds it.
+        # A distance as a float without an int-to-float conversion (those issue at the exponential's quarter rate
+        # on sm_90): exact while |key - q0| < 2^22; a tile's rows start at most 7 before its request, so
+        # max_seqlen + BLOCK_Q bounds it.
         exact_distance = max_seqlen + BLOCK_Q < softmax.SMALL_INT_LIMIT
+
+        def alibi_columns(j):  # [block_kv] slope_h · (key - q0), in the layout of a score row
+            key = plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+            distance = key + (j * block_kv - q0)
+            distance = (softmax.small_int_to_float(distance) if exact_distance
+                        else distance.astype(jnp.float32))
+            return slope * distance
 
         def scores(j, s):
             if mods.softcap > 0:  # tanh.approx.f32 (approx_math; docs/performance.md#model-family-features)
                 s = jnp.tanh(s * (scale / mods.softcap))
             if mods.alibi:
-                rows, cols = positions(j)
-                distance = (softmax.small_int_to_float(cols - rows) if exact_distance
-                            else (cols - rows).astype(jnp.float32))
-                s = s + slope * distance
+                s = s + lax.broadcast_in_dim(alibi_columns(j), s.shape, [1])
             return s
 
         def wait_k(j):
@@ -335,6 +343,11 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
         wait_k(first_step)
         state = softmax.kv_loop((acc, m_i, l_i), first_step, full_steps, kv_steps, step,
                                 full_first if mods.windowed else None)
+        if mods.alibi:  # the rows' term of ALiBi, slope_h · (query - q0) in base 2, off the running max
+            # (the rows' offsets reduced from the score layout's iota: Mosaic GPU infers that layout at once)
+            query = jnp.max(positions(0)[0], axis=1) - q0
+            acc, m_i, l_i = state
+            state = acc, m_i - slopes_ref[q_head] * softmax.LOG2E * query.astype(jnp.float32), l_i
         sink2 = None
         if mods.sinks:  # the head's sink in base 2 joins the denominator, not the LSE
             sink2 = plgpu.layout_cast(jnp.full((BLOCK_Q,), sinks_ref[q_head] * softmax.LOG2E, jnp.float32),
