@@ -22,7 +22,7 @@ import pytest
 
 from benchmarks.lab import fragment_probe
 from pallas_attn import __main__ as cli
-from pallas_attn.inspection import compiled, fragments, inspect_kernel, plot, render
+from pallas_attn.inspection import compiled, fragments, inspect_kernel, plot, render, targets
 from pallas_attn.inspection.fragments import MmaEncoding
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "inspect"
@@ -328,3 +328,19 @@ def test_probes_lower_for_sm90(capsys):
     """On a CPU: both kinds of probe lower for sm_90 (and the Triton ones compile where the triton wheel is)."""
     assert fragment_probe.check_offline() == 0
     assert capsys.readouterr().out.count("mosaic-wgmma") == len(fragment_probe.MOSAIC_CASES)
+
+
+@pytest.mark.parametrize("workload, scale_shape", [("D1-fp8", "tensor"), ("D1-fp8-token", "token")])
+@pytest.mark.parametrize("kernel", ["decode", "paged"])
+def test_fp8_workloads_build_an_fp8_call(kernel, workload, scale_shape):
+    """An FP8 workload inspects the kernel over an FP8 cache with its scales, not the bf16 one."""
+    import jax
+    import jax.numpy as jnp
+
+    call = targets.build_call(kernel, workload, tiny=True)
+    cache, scales = call.args[1], call.args[-1]
+    assert cache.dtype == jnp.float8_e4m3fn and call.args[2].dtype == jnp.float8_e4m3fn
+    expected = () if scale_shape == "tensor" else cache.shape[:3]
+    assert scales["k_scale"].shape == scales["v_scale"].shape == expected
+    out = jax.eval_shape(call.fn, *call.args)  # the public function accepts them (its checks run at trace time)
+    assert out.shape == call.args[0].shape

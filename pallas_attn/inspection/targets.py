@@ -149,7 +149,10 @@ def build_call(kernel: str, workload: str | None = None, backend: str | None = N
         value_cols = spec.kv_lora_rank
     else:
         backend = backend or "triton"
-        cache = S((host.num_pages, spec.block_size, Hkv, D), dtype)
+        cache = S((host.num_pages, spec.block_size, Hkv, D), spec.kv_jnp_dtype)  # an FP8 cache where the spec says
+        if spec.kv_dtype:  # its scales: f32 scalars, or the per-(token, head) scale caches
+            scale = S((), f32) if spec.kv_scale_mode == "tensor" else S((host.num_pages, spec.block_size, Hkv), f32)
+            arrays.update(k_scale=scale, v_scale=scale)
         tables = S(host.block_tables.shape, i32)
         if kernel == "decode":
             fn = functools.partial(pallas_attn.paged_decode_attention, interpret=False, **statics)
