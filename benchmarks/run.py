@@ -429,8 +429,8 @@ def parse_args(argv):
                    help=f"comma-separated workload ids (default: all of {','.join(STANDARD_IDS)} unless --family is "
                         f"given; 'none' for none); the model-family workloads {','.join(FEATURE_IDS)} (each with its "
                         "twin) and family ids (e.g. one-512) are accepted too")
-    p.add_argument("--family", default=None,
-                   help=f"comma-separated workload grids to add: {', '.join(wl.FAMILIES)}")
+    p.add_argument("--family", "--grid", dest="family", default=None,
+                   help=f"comma-separated workload grids to add: {', '.join(wl.FAMILIES)} (--grid is the same)")
     p.add_argument("--impl", default=None,
                    help="comma-separated implementations (a name selects its /variants too; 'none' for none)")
     p.add_argument("--variant", action="append", default=None, metavar="NAME:key=value,...",

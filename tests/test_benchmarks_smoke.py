@@ -191,6 +191,7 @@ def test_families_and_ids():
     ids = [s.id for s in run._selected_specs(args)]
     assert ids[:2] == ["P1", "one-512"] and all(i.startswith("sparse-") for i in ids[2:])
     assert [s.id for s in run._selected_specs(run.parse_args(["--split-sweep"]))][0] == "split-b1-c1024"
+    assert run.parse_args(["--grid", "models"]).family == "models"  # pallas-attn bench --grid models
 
 
 def test_standard_workloads_match_their_definition():
