@@ -322,9 +322,8 @@ def paged_kv_step(q, q_pos, k_ref, v_ref, block_table_ref, table_base, kv_len, k
     (:func:`pair_cols`) it splits the same way and the scores sum two dots; with ``q [M, Dp]`` in the dims' order it
     is joined back (:func:`fp8_tile`) for one dot. Which is faster depends on the kernel (the decode kernel keeps the
     pairs: docs/performance.md#fp8-kv-caches). ``scale`` then carries a per-tensor K scale (:func:`kv_scales`).
-    ``token_scales``:
-    per-(token, head) scale refs ``(k_scales, v_scales)``, read with the tile's rows: each key's scale multiplies
-    its column of raw scores, each value's joins its column of probabilities for ``P V``
+    ``token_scales``: per-(token, head) scale refs ``(k_scales, v_scales)``, read with the tile's rows: each key's
+    scale multiplies its column of raw scores, each value's joins its column of probabilities for ``P V``
     (:func:`softmax.online_softmax_step`).
     """
     key_pairs = isinstance(q, tuple)  # the query as (even, odd) dims: FP8 key tiles split the same way
