@@ -86,21 +86,25 @@ def test_isolation_under_huge_values(rng):
 
 
 @pytest.mark.timeout(300, method="thread")  # an interpreter deadlock fails fast, with stacks
-@pytest.mark.parametrize("pad", [602, 600])  # T = 736 (K/V read in place), 734 (not whole 8-row groups: K/V padded)
-def test_isolation_under_nan(rng, pad):
+@pytest.mark.parametrize("pad, features", [
+    (602, None), (600, None),  # T = 736 (K/V read in place), 734 (not whole 8-row groups: K/V padded)
+    (602, "all")])  # every feature: ALiBi's column terms and the rows' term after the loop, the sink, the cap
+def test_isolation_under_nan(rng, pad, features):
     """NaN in another request's q/k/v rows (which the unaligned tiles and K/V windows load: request starts 3 and 73
     are not multiples of 8) leaves the others' outputs bit-identical; many padding rows (more than one program
     zeroes) come out 0."""
     lens = [3, 70, 61]
     q, k, v, cu = _inputs(rng, lens, 4, 2, 64, jnp.bfloat16, pad=pad)
+    kw = _features(rng, features, 4) if features else {}
+
     def run(q, k, v):
-        out, lse = varlen_attention(q, k, v, cu, max_seqlen=128, return_lse=True, backend="mosaic")
+        out, lse = varlen_attention(q, k, v, cu, max_seqlen=128, return_lse=True, backend="mosaic", **kw)
         return np.asarray(out, np.float32), np.asarray(lse)
 
     base, base_lse = run(q, k, v)
     n = sum(lens)
     assert np.all(base[n:] == 0) and np.all(base_lse[n:] == -np.inf)
-    ref = reference.varlen_attention(q, k, v, cu)
+    ref = reference.varlen_attention(q, k, v, cu, **kw)
     assert_attention_close(base, ref, dtype=jnp.bfloat16, valid_rows=n)
     rows = slice(3, 73)
     other, other_lse = run(q.at[rows].set(jnp.nan), k.at[rows].set(jnp.nan), v.at[rows].set(jnp.nan))
