@@ -80,6 +80,13 @@ def _check_kv_scale(name: str, scale, shape=None):
 SCALE_FLOOR = float(np.finfo(np.float32).tiny)  # a row of zeros gets this scale: it stores zeros
 
 
+def _scale_of_amax(amax, dtype):
+    """``amax · (1 / largest finite)``, the reciprocal rounded to float32 once: a product is correctly rounded on
+    every backend, where XLA:GPU's float32 division may be one ulp off (openxla/xla#37181)."""
+    reciprocal = np.float32(1.0) / np.float32(jnp.finfo(dtype).max)
+    return jnp.maximum(amax * reciprocal, SCALE_FLOOR)
+
+
 def kv_scales_per_token_head(x, dtype):
     """``f32[...]`` (``x.shape[:-1]``): the scale ``write_kv_cache`` gives each row of ``x [..., head_dim]`` (a
     token's head) in per-(token, head) mode: its largest magnitude over the format's largest finite value, so the
@@ -89,7 +96,7 @@ def kv_scales_per_token_head(x, dtype):
     if dtype not in FP8_DTYPES:
         raise ValueError(f"dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
     amax = jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)), axis=-1)
-    return jnp.maximum(amax / float(jnp.finfo(dtype).max), SCALE_FLOOR)
+    return _scale_of_amax(amax, dtype)
 
 
 def kv_scale_per_tensor(x, dtype):
@@ -100,7 +107,7 @@ def kv_scale_per_tensor(x, dtype):
     if dtype not in FP8_DTYPES:
         raise ValueError(f"dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
     amax = jnp.nanmax(jnp.abs(jnp.asarray(x, jnp.float32)))
-    return jnp.maximum(amax / float(jnp.finfo(dtype).max), SCALE_FLOOR)
+    return _scale_of_amax(amax, dtype)
 
 
 def quantize_kv(x, scale, dtype):

@@ -51,12 +51,16 @@ def test_write_stores_what_the_reference_quantizes(dtype, rng):
 
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_per_tensor_calibration(dtype):
-    """``kv_scale_per_tensor`` puts the largest finite magnitude at the top of the format (NaN ignored), which
-    ``quantize_kv`` then stores exactly."""
+    """``kv_scale_per_tensor`` puts the largest finite magnitude (NaN ignored) at the top of the format: its scale
+    is that magnitude times the float32 reciprocal of the format's largest finite value, the same bits on every
+    backend, and ``quantize_kv`` stores that magnitude as the format's largest value."""
     x = jnp.array([[0.5, -3.0], [jnp.nan, 1.0]], jnp.float32)
     scale = reference.kv_scale_per_tensor(x, dtype)
-    assert float(scale) == float(np.float32(3.0) / np.float32(jnp.finfo(dtype).max))
-    assert float(reference.dequantize_kv(reference.quantize_kv(x, scale, dtype), scale)[0, 1]) == -3.0
+    top = np.float32(jnp.finfo(dtype).max)
+    assert float(scale) == float(np.float32(3.0) * (np.float32(1.0) / top))
+    stored = reference.quantize_kv(x, scale, dtype)
+    assert float(stored[0, 1]) == -float(top)
+    assert float(reference.dequantize_kv(stored, scale)[0, 1]) == float(-top * np.float32(scale))
     assert float(reference.kv_scale_per_tensor(jnp.zeros(4), dtype)) > 0
 
 

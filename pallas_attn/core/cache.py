@@ -131,7 +131,9 @@ def _write_kv_cache_per_token_jit(k_cache, v_cache, k, v, slot_mapping, k_scales
 def _per_token_head_scales(x, dtype):
     """``f32[T, Hkv]``: ``reference.kv_scales_per_token_head``, the definition."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    return jnp.maximum(amax / float(jnp.finfo(dtype).max), SCALE_FLOOR)
+    # A product by the float32 reciprocal, not a division: XLA:GPU's float32 division may be one ulp off
+    # (openxla/xla#37181), and the scale a row is written with must not depend on the backend.
+    return jnp.maximum(amax * (np.float32(1.0) / np.float32(jnp.finfo(dtype).max)), SCALE_FLOOR)
 
 
 def _check_scales(k_cache, v_cache, k_scale, v_scale):
