@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_attn import PrefillConfig, reference, varlen_attention
+from pallas_attn.core import masks
 from pallas_attn.testing import assert_attention_close, random_packed
 
 BF16 = jnp.bfloat16
@@ -111,23 +112,50 @@ def test_bad_backward_backend_raises(change, error, match, rng):
         varlen_attention(q, k, v, cu, max_seqlen=5, **kw)
 
 
-def test_repack_puts_every_request_on_a_tile():
-    """The re-packed layout: each request from a 64-row boundary, rows past its end (and past max_seqlen) zero,
-    and the way back to packed rows only for the rows a request computes."""
+@pytest.mark.parametrize("span", [1, 2])
+def test_repack_puts_every_request_on_a_span(span):
+    """The re-packed layout: each request from a boundary of ``span`` 64-row tiles (one per compute warpgroup),
+    filling whole spans, rows past its end (and past max_seqlen) zero, and the way back to packed rows only for the
+    rows a request computes."""
     from pallas_attn.kernels.mosaic import prefill_bwd
 
     cu = jnp.asarray([0, 70, 70, 75, 200], jnp.int32)
-    src, tile_req, tile_local, req_tile, seq_len, dst = prefill_bwd._repack(cu, 203, max_seqlen=100)
+    src, tile_req, tile_local, req_tile, seq_len, dst = prefill_bwd._repack(cu, 203, max_seqlen=100, span=span)
     np.testing.assert_array_equal(np.asarray(seq_len), [70, 0, 5, 100])
-    np.testing.assert_array_equal(np.asarray(req_tile), [0, 2, 2, 3])
+    starts = [0, 2, 2, 3] if span == 1 else [0, 2, 2, 4]  # in tiles: requests of 70, 0, 5 and 100 rows
+    np.testing.assert_array_equal(np.asarray(req_tile), starts)
+    assert src.shape[0] % (64 * span) == 0 and src.shape[0] >= 203 + (64 * span - 1) * 4
     src, dst = np.asarray(src), np.asarray(dst)
+    r2, r3 = 64 * starts[2], 64 * starts[3]
     np.testing.assert_array_equal(src[:70], np.arange(70))
-    assert np.all(src[70:128] == -1) and src[128] == 70 and np.all(src[133:192] == -1)
-    np.testing.assert_array_equal(src[192:292], np.arange(75, 175))
-    np.testing.assert_array_equal(dst[:75], np.r_[np.arange(70), np.arange(128, 133)])
+    assert np.all(src[70:r2] == -1) and np.all(src[r2:r2 + 5] == np.arange(70, 75)) and np.all(src[r2 + 5:r3] == -1)
+    np.testing.assert_array_equal(src[r3:r3 + 100], np.arange(75, 175))
+    assert np.all(src[r3 + 100:] == -1)
+    np.testing.assert_array_equal(dst[:75], np.r_[np.arange(70), np.arange(r2, r2 + 5)])
     assert np.all(dst[175:] == -1)  # past max_seqlen, and padding
-    np.testing.assert_array_equal(np.asarray(tile_req)[:5], [0, 0, 2, 3, 3])
-    np.testing.assert_array_equal(np.asarray(tile_local)[:5], [0, 1, 0, 0, 1])
+    tiles = [0, 0, 2, 3, 3] if span == 1 else [0, 0, 2, 2, 3, 3]
+    np.testing.assert_array_equal(np.asarray(tile_req)[:len(tiles)], tiles)
+    np.testing.assert_array_equal(np.asarray(tile_local)[:len(tiles)], [0, 1, 0, 0, 1] if span == 1 else [0, 1] * 3)
+    assert np.all(np.asarray(tile_req)[len(tiles):] == -1)
+
+
+@pytest.mark.parametrize("causal, mods", [(True, masks.ScoreMods(window_left=70)),
+                                          (False, masks.ScoreMods(window_left=20, window_right=90, softcap=5.0))])
+def test_one_and_two_compute_warpgroups_agree(causal, mods, rng):
+    """The backward with one compute warpgroup a program and with two (each its own tile of a span, the walk the
+    span's): the same gradients, bit for bit where no sum is reordered (each tile's own walk order is kept)."""
+    from pallas_attn.kernels.mosaic import prefill_bwd
+
+    q, k, v, cu, w_out, _ = _inputs(rng, [65, 1, 130], 4, 2, 64, BF16)
+    do = w_out.astype(BF16)
+    l2 = jnp.asarray(rng.standard_normal((q.shape[0], 4)) + 6.0, jnp.float32)
+    delta = jnp.asarray(rng.standard_normal((q.shape[0], 4)), jnp.float32)
+    q, k, v, do = (jnp.nan_to_num(x) for x in (q, k, v, do))
+    kw = dict(max_seqlen=130, causal=causal, scale=0.125, interpret=True, mods=mods)
+    one, two = (prefill_bwd.varlen_attention_bwd_mosaic(q, k, v, cu, do, l2, delta, wgs=w, **kw) for w in (1, 2))
+    for a, b in zip(one, two):
+        assert np.all(np.isfinite(np.asarray(b)))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("hopper, interpret, triton, dtype, head_dim, config, expected", [

@@ -4,24 +4,29 @@ The formulas and the two-kernel split are the Triton backward's (:mod:`pallas_at
 ``P = exp(s - L)`` recomputed, ``dS = P ∘ (dP - D)``, no atomics, so gradients are bit-identical run to run),
 written FlashAttention-3 style for the backend JAX keeps:
 
-* the operands are re-packed first (one XLA gather) so that every request starts on a 64-row tile and the rows
-  past its end are zeros: every TMA then reads whole, aligned tiles of one request, and a zero row (its query
-  gradient, probability and contribution all 0) stands wherever another request's rows, or padding, would
-  otherwise meet a ``0 · NaN``. The cost: ``T + 63 · num_seqs`` rows instead of ``T``, and the gathers' traffic.
-* **dK / dV**: grid ``(Hkv, key tiles)``. A program holds one 64-key tile of K and V in shared memory and walks
-  every query head of the group over the query tiles that see the tile (causal: from its own tile on; a window
-  bounds both ends). Keys are the M dimension of all four wgmmas: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` with the
-  streamed tiles transposed as B, then ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` with ``Pᵀ`` / ``dSᵀ`` from registers.
-  GQA's sum over the group happens in the float32 accumulators.
-* **dQ**: grid ``(Hq, query tiles)``. A program holds one head's 64-row tile of Q and dO and walks the key tiles
-  it sees: ``S = Q Kᵀ``, ``dP = dO Vᵀ``, ``dQ += dS K``.
+* the operands are re-packed first (one XLA gather) so that every request starts on a span of ``COMPUTE_WGS``
+  64-row tiles and the rows past its end are zeros: every TMA then reads whole, aligned tiles of one request, and a
+  zero row (its query gradient, probability and contribution all 0) stands wherever another request's rows, or
+  padding, would otherwise meet a ``0 · NaN``. The cost: ``T + 127 · num_seqs`` rows instead of ``T``, and the
+  gathers' traffic.
+* **dK / dV**: grid ``(Hkv, key spans)``. Each compute warpgroup of a program holds one 64-key tile of K and V in
+  shared memory (the span's ``COMPUTE_WGS`` consecutive tiles) and all of them walk every query head of the group
+  over the query tiles that see the span (causal: from its first tile on; a window bounds both ends), each
+  streamed tile read once for the span. Keys are the M dimension of all four wgmmas: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V
+  dOᵀ`` with the streamed tiles transposed as B, then ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` with ``Pᵀ`` / ``dSᵀ`` from
+  registers. GQA's sum over the group happens in the float32 accumulators.
+* **dQ**: grid ``(Hq, query spans)``. Each compute warpgroup holds one head's 64-row tile of Q and dO, and all of
+  them walk the key tiles the span sees: ``S = Q Kᵀ``, ``dP = dO Vᵀ``, ``dQ += dS K``.
 * each kernel has a memory warpgroup streaming the walked tiles by TMA through a ring of shared-memory slots
-  (the query side's ``l2`` and ``D`` vectors with them) and one compute warpgroup.
+  (the query side's ``l2`` and ``D`` vectors with them), and ``COMPUTE_WGS`` compute warpgroups, each its own
+  chain of wgmmas and exponentials, so that one's softmax runs beside the other's matmuls. A warpgroup whose tile
+  is past the span's edge of the walk (the diagonal tile of a causal walk, a window's edge) computes it masked, to
+  zeros: one step of its walk, not a branch in it.
 * every feature of the forward: causal or not, a window (the walk is bounded by it; the mask is applied on every
   step), soft-cap (``s'`` = scale · (1 - tanh²)), ALiBi (a constant in the score: no term in ``s'``); the sinks'
   and a returned LSE's gradients are folded into ``L`` and ``D`` by the caller (:mod:`pallas_attn.ops.varlen`).
 
-Head dims 64 and 128 (:func:`supported`: the two float32 accumulators of a dK / dV program take 128 registers a
+Head dims 64 and 128 (:func:`supported`: the two float32 accumulators of a dK / dV warpgroup take 128 registers a
 thread at 128; 256 would not fit beside the scores), bf16 / fp16.
 
 Interpret mode (CPU): the Mosaic GPU interpreter runs both kernels with the forward's two limits
@@ -44,6 +49,10 @@ from pallas_attn.core import masks, metadata, softmax
 BLOCK = 64  # rows of every tile: queries, keys, the wgmma M
 HEAD_DIMS = (64, 128)
 SLOTS = 2  # streamed tiles in flight
+# Tiles per program, one per compute warpgroup, and the registers a thread of a compute / the memory warpgroup
+# takes with two (2 · 128 · 232 + 128 · 40 <= 65,536, as in the forward: pallas_attn.kernels.mosaic.prefill)
+COMPUTE_WGS = 2
+REGISTERS = (232, 40)
 SWIZZLE = 128
 TILE_COLS = 64
 
@@ -101,7 +110,7 @@ def _accumulate(acc, a, b, scratch, compiled: bool):
 
 def _stream(steps, load, free):
     """The memory warpgroup's loop of both kernels: ``load(i, slot)`` for step ``i`` of ``steps`` into ring slot
-    ``i % SLOTS``, the first ``SLOTS`` at once, each later one once the compute warpgroup freed its slot."""
+    ``i % SLOTS``, the first ``SLOTS`` at once, each later one once every compute warpgroup freed its slot."""
     for i in range(SLOTS):
         pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
 
@@ -113,30 +122,41 @@ def _stream(steps, load, free):
 
 
 # ---------------------------------------------------------------------------------------------- dK / dV kernel
+def _span(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, wgs: int):
+    """The program's span of ``wgs`` tiles of one request: ``(live, request, its first re-packed row, its length,
+    the span's first tile within the request)``."""
+    first_tile = lax.axis_index("tile") * wgs
+    b = tile_req_ref[first_tile]
+    live = b >= 0
+    b = jnp.maximum(b, 0)
+    return live, b, req_tile_ref[b] * BLOCK, seq_len_ref[b], tile_local_ref[first_tile]
+
+
+def _set_registers(wgs: int, compute: bool):
+    if wgs > 1:  # the launch gives every thread 65,536 / ((wgs + 1) · 128) registers: move them to the compute
+        plgpu.set_max_registers(REGISTERS[0 if compute else 1], action="increase" if compute else "decrease")
+
+
 def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k_ref, v_ref, do_ref, l2_ref,
-                 delta_ref, *refs, group: int, causal: bool, scale: float, mods: masks.ScoreMods, compiled: bool):
+                 delta_ref, *refs, group: int, causal: bool, scale: float, mods: masks.ScoreMods, compiled: bool,
+                 wgs: int):
     refs = list(refs)
     slopes_ref = refs.pop(0) if mods.alibi else None
     dk_ref, dv_ref, scoped = refs
     (k_smem, v_smem, q_smem, do_smem, l2_smem, delta_smem, a_smem), (kv_bar, bars), free = scoped
-    kv_head, tile, wg = lax.axis_index("heads"), lax.axis_index("tile"), lax.axis_index("wg")
+    kv_head, wg = lax.axis_index("heads"), lax.axis_index("wg")
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
-    b = tile_req_ref[tile]
-    live = b >= 0
-    b = jnp.maximum(b, 0)
-    n = tile_local_ref[tile]
-    first_row = req_tile_ref[b] * BLOCK  # the request's first (re-packed) row
-    seq_len = seq_len_ref[b]
-    k0 = n * BLOCK
-    # The query tiles that may see a key of this tile: causal from its own tile on, a right window (non-causal)
+    live, b, first_row, seq_len, n = _span(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, wgs)
+    k0 = n * BLOCK  # the span's first key
+    # The query tiles that may see a key of the span: causal from its first tile on, a right window (non-causal)
     # from its first key - right on, a left window up to its last key + left.
     m_lo = n if causal else jnp.int32(0)
     if mods.window_right >= 0 and not causal:
         m_lo = jnp.maximum(k0 - mods.window_right, 0) // BLOCK
     m_hi = (seq_len + BLOCK - 1) // BLOCK
     if mods.window_left >= 0:
-        m_hi = jnp.minimum(m_hi, (k0 + BLOCK - 1 + mods.window_left) // BLOCK + 1)
+        m_hi = jnp.minimum(m_hi, (k0 + wgs * BLOCK - 1 + mods.window_left) // BLOCK + 1)
     num_m = jnp.maximum(m_hi - m_lo, 0)
     steps = jnp.where(live & (k0 < seq_len), group * num_m, 0)
 
@@ -144,9 +164,12 @@ def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref,
         g = lax.div(i, jnp.maximum(num_m, 1))
         return g, m_lo + lax.rem(i, jnp.maximum(num_m, 1))
 
-    @pl.when(live & (wg == 0))
+    @pl.when(live & (wg < wgs))
     def _compute():
-        plgpu.barrier_wait(kv_bar)
+        _set_registers(wgs, compute=True)
+        kc = k0 + wg * BLOCK  # this warpgroup's key tile
+        k_tile, v_tile, a_tile = k_smem.at[wg], v_smem.at[wg], a_smem.at[wg] if a_smem is not None else None
+        plgpu.barrier_wait(kv_bar.at[wg])
         zeros = plgpu.layout_cast(jnp.zeros((BLOCK, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -156,8 +179,8 @@ def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref,
             slot = lax.rem(i, jnp.int32(SLOTS))
             plgpu.barrier_wait(bars.at[slot])
             shape = (BLOCK, BLOCK)  # [keys, queries]
-            st = _dot(k_smem, q_smem.at[slot].transpose((1, 0)), shape)
-            k_pos = _iota(shape, 0) + k0
+            st = _dot(k_tile, q_smem.at[slot].transpose((1, 0)), shape)
+            k_pos = _iota(shape, 0) + kc
             q_pos = _iota(shape, 1) + m * BLOCK
             slope2 = None
             if mods.alibi:
@@ -167,27 +190,29 @@ def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref,
             l2 = lax.broadcast_in_dim(plgpu.load(l2_smem.at[slot], layout=col_layout), shape, [1])
             delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=col_layout), shape, [1])
             pt = jnp.where(visible, jnp.exp2(s2 - l2), 0.0)  # Pᵀ [keys, queries]
-            dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot], a_smem, compiled)
-            dpt = _dot(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
+            dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot], a_tile, compiled)
+            dpt = _dot(v_tile, do_smem.at[slot].transpose((1, 0)), shape)
             dst = pt * (dpt - delta) * ds
-            dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot], a_smem, compiled)
+            dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot], a_tile, compiled)
             pl.when(i + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
             return dk, dv
 
         dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
-        k_smem[...] = dk.astype(dtype)  # K and V are read for the last time above
-        v_smem[...] = dv.astype(dtype)
+        k_tile[...] = dk.astype(dtype)  # K and V are read for the last time above
+        v_tile[...] = dv.astype(dtype)
         plgpu.commit_smem()
-        rows = pl.ds(first_row + k0, BLOCK)
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows, kv_head])
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows, kv_head])
+        rows = pl.ds(first_row + kc, BLOCK)
+        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[rows, kv_head])
+        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[rows, kv_head])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(live & (wg == 1))
+    @pl.when(live & (wg == wgs))
     def _memory():
-        rows = pl.ds(first_row + k0, BLOCK)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem, kv_bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem, kv_bar)
+        _set_registers(wgs, compute=False)
+        for c in range(wgs):
+            rows = pl.ds(first_row + k0 + c * BLOCK, BLOCK)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[c], kv_bar.at[c])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[c], kv_bar.at[c])
 
         def load(i, slot):
             g, m = walked(i)
@@ -203,73 +228,75 @@ def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref,
 
 # ---------------------------------------------------------------------------------------------- dQ kernel
 def _dq_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k_ref, v_ref, do_ref, l2_ref,
-               delta_ref, *refs, group: int, causal: bool, scale: float, mods: masks.ScoreMods, compiled: bool):
+               delta_ref, *refs, group: int, causal: bool, scale: float, mods: masks.ScoreMods, compiled: bool,
+               wgs: int):
     refs = list(refs)
     slopes_ref = refs.pop(0) if mods.alibi else None
     dq_ref, scoped = refs
     (q_smem, do_smem, l2_smem, delta_smem, k_smem, v_smem, a_smem), (q_bar, bars), free = scoped
-    head, tile, wg = lax.axis_index("heads"), lax.axis_index("tile"), lax.axis_index("wg")
+    head, wg = lax.axis_index("heads"), lax.axis_index("wg")
     kv_head = lax.div(head, jnp.int32(group))
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
-    b = tile_req_ref[tile]
-    live = b >= 0
-    b = jnp.maximum(b, 0)
-    m = tile_local_ref[tile]
-    first_row = req_tile_ref[b] * BLOCK
-    seq_len = seq_len_ref[b]
-    q0 = m * BLOCK
-    # The key tiles this query tile sees: causal up to its own, a right window (non-causal) up to its last
+    live, b, first_row, seq_len, m = _span(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, wgs)
+    q0 = m * BLOCK  # the span's first query
+    # The key tiles the span's queries see: causal up to its last tile, a right window (non-causal) up to its last
     # query + right, a left window from its first query - left on.
     n_hi = (seq_len + BLOCK - 1) // BLOCK
     if causal:
-        n_hi = jnp.minimum(n_hi, m + 1)
+        n_hi = jnp.minimum(n_hi, m + wgs)
     elif mods.window_right >= 0:
-        n_hi = jnp.minimum(n_hi, (q0 + BLOCK - 1 + mods.window_right) // BLOCK + 1)
+        n_hi = jnp.minimum(n_hi, (q0 + wgs * BLOCK - 1 + mods.window_right) // BLOCK + 1)
     n_lo = jnp.int32(0)
     if mods.window_left >= 0:
         n_lo = jnp.maximum(q0 - mods.window_left, 0) // BLOCK
     steps = jnp.where(live & (q0 < seq_len), jnp.maximum(n_hi - n_lo, 0), 0)
 
-    @pl.when(live & (wg == 0))
+    @pl.when(live & (wg < wgs))
     def _compute():
-        q_rows = pl.ds(first_row + q0, BLOCK)
-        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], q_smem, q_bar)
-        plgpu.copy_gmem_to_smem(do_ref.at[q_rows, head], do_smem, q_bar)
-        plgpu.copy_gmem_to_smem(l2_ref.at[head, q_rows], l2_smem, q_bar)
-        plgpu.copy_gmem_to_smem(delta_ref.at[head, q_rows], delta_smem, q_bar)
-        plgpu.barrier_wait(q_bar)
+        _set_registers(wgs, compute=True)
+        qc = q0 + wg * BLOCK  # this warpgroup's query tile
+        q_tile, do_tile, a_tile = q_smem.at[wg], do_smem.at[wg], a_smem.at[wg] if a_smem is not None else None
+        q_rows = pl.ds(first_row + qc, BLOCK)
+        bar = q_bar.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], q_tile, bar)
+        plgpu.copy_gmem_to_smem(do_ref.at[q_rows, head], do_tile, bar)
+        plgpu.copy_gmem_to_smem(l2_ref.at[head, q_rows], l2_smem.at[wg], bar)
+        plgpu.copy_gmem_to_smem(delta_ref.at[head, q_rows], delta_smem.at[wg], bar)
+        plgpu.barrier_wait(bar)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         shape = (BLOCK, BLOCK)  # [queries, keys]
-        l2 = lax.broadcast_in_dim(plgpu.load(l2_smem, layout=row_layout), shape, [0])
-        delta = lax.broadcast_in_dim(plgpu.load(delta_smem, layout=row_layout), shape, [0])
+        l2 = lax.broadcast_in_dim(plgpu.load(l2_smem.at[wg], layout=row_layout), shape, [0])
+        delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[wg], layout=row_layout), shape, [0])
         slope2 = slopes_ref[head] * softmax.LOG2E if mods.alibi else None
 
         def step(j, dq):
             n = n_lo + j
             slot = lax.rem(j, jnp.int32(SLOTS))
             plgpu.barrier_wait(bars.at[slot])
-            s = _dot(q_smem, k_smem.at[slot].transpose((1, 0)), shape)
-            q_pos = _iota(shape, 0) + q0
+            s = _dot(q_tile, k_smem.at[slot].transpose((1, 0)), shape)
+            q_pos = _iota(shape, 0) + qc
             k_pos = _iota(shape, 1) + n * BLOCK
             s2, ds, visible = _mask_and_scores(s, q_pos, k_pos, seq_len, causal=causal, scale=scale, mods=mods,
                                                slope2=slope2)
             p = jnp.where(visible, jnp.exp2(s2 - l2), 0.0)
-            dp = _dot(do_smem, v_smem.at[slot].transpose((1, 0)), shape)
+            dp = _dot(do_tile, v_smem.at[slot].transpose((1, 0)), shape)
             dsc = p * (dp - delta) * ds
-            dq = _accumulate(dq, dsc.astype(dtype), k_smem.at[slot], a_smem, compiled)
+            dq = _accumulate(dq, dsc.astype(dtype), k_smem.at[slot], a_tile, compiled)
             pl.when(j + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
             return dq
 
         zeros = plgpu.layout_cast(jnp.zeros((BLOCK, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dq = lax.fori_loop(0, steps, step, zeros)
-        q_smem[...] = dq.astype(q_smem.dtype)
+        q_tile[...] = dq.astype(q_tile.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[q_rows, head])
+        plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows, head])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(live & (wg == 1))
+    @pl.when(live & (wg == wgs))
     def _memory():
+        _set_registers(wgs, compute=False)
+
         def load(j, slot):
             rows = pl.ds(first_row + (n_lo + j) * BLOCK, BLOCK)
             plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], bars.at[slot])
@@ -279,16 +306,18 @@ def _dq_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k
 
 
 # -------------------------------------------------------------------------------------------- the calls
-def _repack(cu_seqlens, num_tokens: int, max_seqlen: int):
-    """Where each request's rows go so that it starts on a 64-row tile: ``(src i32[T'], tile_req i32[T' / 64],
-    tile_local i32[T' / 64], req_tile i32[S], seq_len i32[S], dst i32[T])`` with ``T' = T + 63 · S`` rounded up to
-    a tile. ``src[r]``: the packed row re-packed row ``r`` holds (-1: a zero row); ``dst[t]``: the re-packed row
-    of packed row ``t`` (-1: a row no request computes: padding, or past ``max_seqlen``)."""
+def _repack(cu_seqlens, num_tokens: int, max_seqlen: int, span: int = COMPUTE_WGS):
+    """Where each request's rows go so that it starts on a span of ``span`` 64-row tiles and fills whole spans:
+    ``(src i32[T'], tile_req i32[T' / 64], tile_local i32[T' / 64], req_tile i32[S], seq_len i32[S], dst i32[T])``
+    with ``T' = T + (64 · span - 1) · S`` rounded up to a span. ``src[r]``: the packed row re-packed row ``r`` holds
+    (-1: a zero row); ``dst[t]``: the re-packed row of packed row ``t`` (-1: a row no request computes: padding, or
+    past ``max_seqlen``)."""
     num_seqs = cu_seqlens.shape[0] - 1
-    total = -(-(num_tokens + (BLOCK - 1) * num_seqs) // BLOCK) * BLOCK
+    rows = BLOCK * span
+    total = -(-(num_tokens + (rows - 1) * num_seqs) // rows) * rows
     cu = metadata.clamp_cu(cu_seqlens, num_tokens)
     seq_len = jnp.minimum(cu[1:] - cu[:-1], max_seqlen)  # a longer request is truncated, as the forward reads it
-    req_tiles = (seq_len + BLOCK - 1) // BLOCK
+    req_tiles = (seq_len + rows - 1) // rows * span
     tile_req, tile_local, cu_tiles = metadata.segment_items(req_tiles, total // BLOCK)
     rows = jnp.arange(total, dtype=jnp.int32)
     row_req = tile_req[rows // BLOCK]
@@ -309,57 +338,62 @@ def _gather_rows(x, src, fill=0.0):
 
 
 def varlen_attention_bwd_mosaic(q, k, v, cu_seqlens, do, l2, delta, alibi_slopes=None, *, max_seqlen: int,
-                                causal: bool, scale: float, interpret: bool, mods: masks.ScoreMods = masks.NO_MODS):
+                                causal: bool, scale: float, interpret: bool, mods: masks.ScoreMods = masks.NO_MODS,
+                                wgs: int = COMPUTE_WGS):
     """``(dq [T, Hq, D], dk [T, Hkv, D], dv [T, Hkv, D])`` in float32 for the rows the kernels own; the contract of
-    :func:`pallas_attn.kernels.triton.prefill_bwd.varlen_attention_bwd_triton` (other rows are zeros here)."""
+    :func:`pallas_attn.kernels.triton.prefill_bwd.varlen_attention_bwd_triton` (other rows are zeros here).
+    ``wgs``: compute warpgroups (tiles) a program, 1 or 2."""
     reason = supported(q)
     if reason is not None:
         raise ValueError(f"the Mosaic varlen backward does not support {reason}")
+    if wgs not in (1, 2):
+        raise ValueError(f"wgs={wgs} must be 1 or 2 (compute warpgroups of the Mosaic backward)")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
-    src, tile_req, tile_local, req_tile, seq_len, dst = _repack(cu_seqlens, num_tokens, max_seqlen)
-    num_tiles = tile_req.shape[0]
+    src, tile_req, tile_local, req_tile, seq_len, dst = _repack(cu_seqlens, num_tokens, max_seqlen, wgs)
+    num_spans = tile_req.shape[0] // wgs
     qp, kp, vp, dop = (_gather_rows(x, src) for x in (q, k, v, do))
     l2p = _gather_rows(l2, src, jnp.inf).T  # [Hq, T']: a query tile's 64 values are one contiguous TMA
     deltap = _gather_rows(delta, src).T
     features = [alibi_slopes.astype(jnp.float32)] if alibi_slopes is not None else []
     args = (tile_req, tile_local, req_tile, seq_len, qp, kp, vp, dop, l2p, deltap, *features)
     tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
-    tile = plgpu.SMEM((BLOCK, head_dim), q.dtype, **tiled)
+    tiles = plgpu.SMEM((wgs, BLOCK, head_dim), q.dtype, **tiled)  # one per compute warpgroup
     ring = plgpu.SMEM((SLOTS, BLOCK, head_dim), q.dtype, **tiled)
-    a_tile = plgpu.SMEM((BLOCK, BLOCK), q.dtype, **tiled) if interpret else None  # the interpreter's A operands
-    common = dict(group=group, causal=causal, scale=scale, mods=mods, compiled=not interpret)
+    a_tiles = plgpu.SMEM((wgs, BLOCK, BLOCK), q.dtype, **tiled) if interpret else None  # the interpreter's A operands
+    common = dict(group=group, causal=causal, scale=scale, mods=mods, compiled=not interpret, wgs=wgs)
     interpret_params = None
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_params = InterpretGPUParams()
-    kernel = functools.partial(plgpu.kernel, num_threads=2, thread_name="wg", interpret=interpret_params,
+    kernel = functools.partial(plgpu.kernel, num_threads=wgs + 1, thread_name="wg", interpret=interpret_params,
                                compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))
 
-    dkdv_scratch = ((tile, tile, ring, ring, plgpu.SMEM((SLOTS, BLOCK), jnp.float32),
-                     plgpu.SMEM((SLOTS, BLOCK), jnp.float32), a_tile),
-                    (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=4, num_barriers=SLOTS)),
-                    plgpu.Barrier(num_barriers=SLOTS))
+    dkdv_scratch = ((tiles, tiles, ring, ring, plgpu.SMEM((SLOTS, BLOCK), jnp.float32),
+                     plgpu.SMEM((SLOTS, BLOCK), jnp.float32), a_tiles),
+                    (plgpu.Barrier(num_arrivals=2, num_barriers=wgs),
+                     plgpu.Barrier(num_arrivals=4, num_barriers=SLOTS)),
+                    plgpu.Barrier(num_arrivals=wgs, num_barriers=SLOTS))
     dkdv_body = functools.partial(_dkdv_kernel, **common)
 
     def dkdv_kernel(*refs):
         pl.run_scoped(lambda *s: dkdv_body(*refs, s), *dkdv_scratch, collective_axes="wg")
 
     kv_rows = jax.ShapeDtypeStruct(kp.shape, q.dtype)
-    dk, dv = kernel(dkdv_kernel, out_type=[kv_rows, kv_rows], grid=(num_kv_heads, num_tiles),
+    dk, dv = kernel(dkdv_kernel, out_type=[kv_rows, kv_rows], grid=(num_kv_heads, num_spans),
                     grid_names=("heads", "tile"))(*args)
 
-    dq_scratch = ((tile, tile, plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32), ring, ring,
-                   a_tile),
-                  (plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS)),
-                  plgpu.Barrier(num_barriers=SLOTS))
+    dq_scratch = ((tiles, tiles, plgpu.SMEM((wgs, BLOCK), jnp.float32), plgpu.SMEM((wgs, BLOCK), jnp.float32), ring,
+                   ring, a_tiles),
+                  (plgpu.Barrier(num_arrivals=4, num_barriers=wgs), plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS)),
+                  plgpu.Barrier(num_arrivals=wgs, num_barriers=SLOTS))
     dq_body = functools.partial(_dq_kernel, **common)
 
     def dq_kernel(*refs):
         pl.run_scoped(lambda *s: dq_body(*refs, s), *dq_scratch, collective_axes="wg")
 
-    dq = kernel(dq_kernel, out_type=jax.ShapeDtypeStruct(qp.shape, q.dtype), grid=(num_q_heads, num_tiles),
+    dq = kernel(dq_kernel, out_type=jax.ShapeDtypeStruct(qp.shape, q.dtype), grid=(num_q_heads, num_spans),
                 grid_names=("heads", "tile"))(*args)
     back = lambda x: _gather_rows(x, dst).astype(jnp.float32)  # noqa: E731  re-packed rows → packed rows
     return back(dq), back(dk), back(dv)
