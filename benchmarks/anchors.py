@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -523,8 +524,11 @@ def _prepare_jnp_sparse(batches: list[Batch], options: Options) -> Prepared:
 def _prepare_tokamax_bwd(batches: list[Batch], options: Options) -> Prepared:
     try:
         import tokamax
+        from absl import flags
     except ImportError as e:
         raise NotImplementedError("tokamax_mosaic needs the tokamax package (pip install tokamax)") from e
+    if not flags.FLAGS.is_parsed():  # tokamax's config parses sys.argv on first read: the harness's flags are not its
+        flags.FLAGS(sys.argv[:1])
     if options.interpret:
         raise NotImplementedError("tokamax_mosaic is a Mosaic GPU (Hopper) kernel: GPU only, no interpret mode")
     host = batches[0].host

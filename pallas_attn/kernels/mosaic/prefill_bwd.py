@@ -48,7 +48,7 @@ from pallas_attn.core import masks, metadata, softmax
 
 BLOCK = 64  # rows of every tile: queries, keys, the wgmma M
 HEAD_DIMS = (64, 128)
-SLOTS = 2  # streamed tiles in flight
+SLOTS = 3  # streamed tiles in flight (P2-bwd: 3 ran faster than 2: docs/performance.md#varlen-backward)
 # Tiles per program, one per compute warpgroup, and the registers a thread of a compute / the memory warpgroup
 # takes with two (2 · 128 · 232 + 128 · 40 <= 65,536, as in the forward: pallas_attn.kernels.mosaic.prefill)
 COMPUTE_WGS = 2
