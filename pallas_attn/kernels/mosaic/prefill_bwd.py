@@ -313,11 +313,11 @@ def _repack(cu_seqlens, num_tokens: int, max_seqlen: int, span: int = COMPUTE_WG
     (-1: a zero row); ``dst[t]``: the re-packed row of packed row ``t`` (-1: a row no request computes: padding, or
     past ``max_seqlen``)."""
     num_seqs = cu_seqlens.shape[0] - 1
-    rows = BLOCK * span
-    total = -(-(num_tokens + (rows - 1) * num_seqs) // rows) * rows
+    span_rows = BLOCK * span
+    total = -(-(num_tokens + (span_rows - 1) * num_seqs) // span_rows) * span_rows
     cu = metadata.clamp_cu(cu_seqlens, num_tokens)
     seq_len = jnp.minimum(cu[1:] - cu[:-1], max_seqlen)  # a longer request is truncated, as the forward reads it
-    req_tiles = (seq_len + rows - 1) // rows * span
+    req_tiles = (seq_len + span_rows - 1) // span_rows * span
     tile_req, tile_local, cu_tiles = metadata.segment_items(req_tiles, total // BLOCK)
     rows = jnp.arange(total, dtype=jnp.int32)
     row_req = tile_req[rows // BLOCK]
