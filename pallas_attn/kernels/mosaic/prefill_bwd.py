@@ -45,14 +45,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.core import masks, metadata, softmax
+from pallas_attn.kernels.mosaic import prefill
 
 BLOCK = 64  # rows of every tile: queries, keys, the wgmma M
 HEAD_DIMS = (64, 128)
 SLOTS = 3  # streamed tiles in flight (P2-bwd: 3 ran faster than 2: docs/performance.md#varlen-backward)
-# Tiles per program, one per compute warpgroup, and the registers a thread of a compute / the memory warpgroup
-# takes with two (2 · 128 · 232 + 128 · 40 <= 65,536, as in the forward: pallas_attn.kernels.mosaic.prefill)
-COMPUTE_WGS = 2
-REGISTERS = (232, 40)
+COMPUTE_WGS = 2  # tiles per program, one per compute warpgroup
 SWIZZLE = 128
 TILE_COLS = 64
 
@@ -133,8 +131,9 @@ def _span(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, wgs: int):
 
 
 def _set_registers(wgs: int, compute: bool):
-    if wgs > 1:  # the launch gives every thread 65,536 / ((wgs + 1) · 128) registers: move them to the compute
-        plgpu.set_max_registers(REGISTERS[0 if compute else 1], action="increase" if compute else "decrease")
+    if wgs > 1:  # the launch gives every thread 65,536 / ((wgs + 1) · 128) registers: the forward's split of them
+        compute_regs, memory_regs = prefill.REGISTERS[wgs]
+        plgpu.set_max_registers(compute_regs if compute else memory_regs, action="increase" if compute else "decrease")
 
 
 def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k_ref, v_ref, do_ref, l2_ref,
