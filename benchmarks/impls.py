@@ -23,8 +23,8 @@ Names: ours are ``pallas_attn`` or ``pallas_attn/<variant>``:
                          forward and backward: ``backward_backend="mosaic"``), paged decode and ragged batches
                          whose cache the Mosaic paged kernel takes (q's dtype or FP8, head dim 64 / 128 / 256),
                          dense MLA (L1, L2)
-  pallas_attn/triton     varlen prefill / training step / sparse MLA with ``backend="triton"`` (the default picks
-                         per GPU and shape)
+  pallas_attn/triton     varlen prefill / training step / sparse and dense MLA with ``backend="triton"`` (the
+                         default picks per GPU and shape)
   pallas_attn/<NAME>     a ``--variant NAME:key=value,...`` of the command line (:mod:`benchmarks.variants`)
 """
 
@@ -368,7 +368,7 @@ OUR_IMPLS: list[Impl] = [
     Impl(f"{OURS}/parts", _is_mixed, _prepare_ragged_parts, anchor=False, features=_parts_features),
     Impl(f"{OURS}/mosaic", _on_gpu_mosaic, _prepare_mosaic, anchor=False,
          features=takes_for_kind),
-    Impl(f"{OURS}/triton", lambda s: s.kind in (*PACKED_KINDS, "sparse"),
+    Impl(f"{OURS}/triton", lambda s: s.kind in (*PACKED_KINDS, "sparse", "mla"),
          lambda b, o: _prepare_ours(b, o, backend="triton"), anchor=False, features=takes_for_kind),
 ]
 

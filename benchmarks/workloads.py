@@ -306,6 +306,22 @@ def sparse_shape_specs(tiny: bool = False) -> list[Spec]:
             for n, ctx, h, k in shapes]
 
 
+MLA_SHAPES = ((1, 32768, 16, 1), (1, 32768, 128, 1), (8, 8192, 16, 1), (8, 8192, 128, 1), (256, 2048, 16, 1),
+              (128, 4096, 64, 1), (32, 4096, 128, 2), (4, 65536, 128, 1))  # (requests, ctx, heads, new tokens)
+
+
+def mla_shape_specs(tiny: bool = False) -> list[Spec]:
+    """Dense MLA batches beside L1 / L2 (their block size and dims; other request counts, contexts, heads and new
+    tokens): single long requests, small and large batches, 16 to 128 heads, for mla_attention's default-backend
+    rule (docs/performance.md#dense-mla)."""
+    l1 = TINY_WORKLOADS["L1"] if tiny else WORKLOADS["L1"]
+    shapes = ((2, 64, 16, 1), (3, 96, 16, 2)) if tiny else MLA_SHAPES
+    return [dataclasses.replace(l1, id=f"mla-b{n}-c{ctx}-h{h}-q{q}", family="mla-shapes",
+                                what=f"dense MLA, {n} requests ctx {ctx}, {q} new tokens each, {h} heads",
+                                groups=(Group((ctx,) * n, q),), num_q_heads=h)
+            for n, ctx, h, q in shapes]
+
+
 # Attention shapes of models in wide use: (num_q_heads, num_kv_heads, head_dim) of one layer as a GPU sees it.
 MODEL_SHAPES = {
     "llama8b": (32, 8, 128),  # Llama-3.1-8B
@@ -374,7 +390,7 @@ def fp8_specs(tiny: bool = False) -> list[Spec]:
 
 
 FAMILIES = {"split": split_sweep_specs, "prefill-rule": prefill_rule_specs, "sparse-shapes": sparse_shape_specs,
-            "models": model_grid_specs, "fp8": fp8_specs}
+            "mla-shapes": mla_shape_specs, "models": model_grid_specs, "fp8": fp8_specs}
 
 
 def family_specs(names, tiny: bool = False) -> list[Spec]:

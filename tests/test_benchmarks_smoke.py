@@ -192,6 +192,10 @@ def test_families_and_ids():
     assert ids[:2] == ["P1", "one-512"] and all(i.startswith("sparse-") for i in ids[2:])
     assert [s.id for s in run._selected_specs(run.parse_args(["--split-sweep"]))][0] == "split-b1-c1024"
     assert run.parse_args(["--grid", "models"]).family == "models"  # pallas-attn bench --grid models
+    mla = wl.mla_shape_specs()
+    assert len({s.id for s in mla}) == len(mla) == len(wl.MLA_SHAPES)
+    assert all(s.kind == "mla" and s.family == "mla-shapes" for s in mla)
+    assert wl.build_host(wl.find_spec("mla-b32-c4096-h128-q2")).num_tokens == 64
 
 
 def test_standard_workloads_match_their_definition():
@@ -211,17 +215,19 @@ def test_standard_workloads_match_their_definition():
 
 # ------------------------------------------------------------------------------------ dense MLA (L1, L2)
 def test_tiny_mla_workloads_run_with_their_anchors(tmp_path):
-    """L1 (decode, no cu_query_lens) and L2 (two causal new tokens per request): ours, the jnp floor and the sparse
-    kernel over every position all match the reference; paged_attention/latent sits them out (576 > 512 dims)."""
+    """L1 (decode, no cu_query_lens) and L2 (two causal new tokens per request): ours (the default and the Triton
+    kernel's row), the jnp floor and the sparse kernel over every position all match the reference;
+    paged_attention/latent sits them out (576 > 512 dims)."""
     assert run.main(["--tiny", "--only", "L1,L2", "--out", str(tmp_path), "--no-plots", "--target-s", "0.005"]) == 0
     (path,) = tmp_path.glob("*-tiny.json")
     rows = [r for r in json.loads(path.read_text()) if r["workload"] != "ceiling"]
-    impls = ("pallas_attn", "jnp", "sparse_mla_attention/all")
+    ours = ("pallas_attn", "pallas_attn/triton")
+    impls = (*ours, "jnp", "sparse_mla_attention/all")
     assert {(r["workload"], r["impl"], r["unit"]) for r in rows} == {
         (w, i, u) for w in ("L1", "L2") for i in impls for u in ("GB/s", "TFLOP/s")}
     for r in rows:
         assert r["error"] is None and r["rel_err"] < 2e-2, (r["workload"], r["impl"], r["error"], r["rel_err"])
-        assert r["kind"] == "mla" and r["anchor"] == (r["impl"] != "pallas_attn")
+        assert r["kind"] == "mla" and r["anchor"] == (r["impl"] not in ours)
         assert r["metric"] > 0 and r["ratio_to_ceiling"] > 0 and r["ratio_to_best_anchor"] > 0
 
 

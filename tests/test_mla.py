@@ -277,3 +277,21 @@ def test_mosaic_shapes_compiled(case, sinks, rng):
     seq_lens, q_lens, heads, block_size = case
     s = jnp.asarray(rng.standard_normal(heads), jnp.float32) if sinks else None
     _check(rng, seq_lens, q_lens, heads, 576, 512, block_size, jnp.bfloat16, sinks=s, backend="mosaic")
+
+
+@pytest.mark.parametrize("hopper, interpret, heads, dtype, expected", [
+    (True, False, 16, jnp.bfloat16, "mosaic"),  # L1: a TP-8 shard of 128 heads
+    (True, False, 128, jnp.bfloat16, "mosaic"),  # L2
+    (True, False, 24, jnp.float16, "mosaic"),
+    (True, False, 12, jnp.bfloat16, "triton"),  # not whole 8-row tiles: the Mosaic kernel does not apply
+    (True, False, 128, jnp.float32, "triton"),
+    (True, True, 128, jnp.bfloat16, "triton"),  # interpret mode: the Mosaic kernel is compiled only
+    (False, False, 128, jnp.bfloat16, "triton"),
+])
+def test_default_backend_rule(monkeypatch, hopper, interpret, heads, dtype, expected):
+    from pallas_attn.core import backend
+    from pallas_attn.ops import mla
+
+    monkeypatch.setattr(backend, "is_hopper", lambda: hopper)
+    assert mla.default_backend(jnp.zeros((2, heads, 576), dtype), 512, interpret) == expected
+    assert mla.default_backend(jnp.zeros((2, heads, 576), dtype), 448, interpret) == "triton"  # 128 rope dims

@@ -41,10 +41,12 @@ def _validate(q, kv_cache, block_tables, seq_lens, cu_query_lens, kv_lora_rank, 
 
 
 def default_backend(q, kv_lora_rank: int, interpret: bool) -> str:
-    """``mla_attention``'s ``backend=None``: "triton", until the Mosaic path is measured against it
-    (docs/performance.md#dense-mla); ``backend="mosaic"`` runs that one."""
-    del q, kv_lora_rank, interpret
-    return "triton"
+    """``mla_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU wherever its kernel applies (it was
+    measured faster on every shape of L1, L2 and the ``mla-shapes`` grid: docs/performance.md#dense-mla), else
+    "triton"."""
+    if interpret or not backend_lib.is_hopper():
+        return "triton"
+    return "mosaic" if mosaic_mla.supported(q, kv_lora_rank) is None else "triton"
 
 
 def _token_keys(cu_query_lens, seq_lens, token_req, capacity: int):
@@ -102,7 +104,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, cu_query_lens=None, *, ma
       backend: "triton" or "mosaic": the Hopper kernel (warp-specialised, a memory warpgroup gathering each 64-key
         tile through the block table with ``cp.async``, wgmma; one program per token and 64 heads, or all heads
         below 64; bf16/fp16, 64 rope dims, value dims a multiple of 64 in (192, 512], compiled only — anything
-        else raises). None: :func:`default_backend`.
+        else raises). None: :func:`default_backend` (Mosaic on a compiled Hopper GPU where it applies).
 
     Returns:
       ``out [num_tokens, num_heads, kv_lora_rank]`` in q's dtype (and ``lse``). No tokens, no request, no page or an
