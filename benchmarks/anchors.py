@@ -58,6 +58,7 @@ cudnn/packed and naive_triton (no backward here).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import sys
 
@@ -521,6 +522,27 @@ def _prepare_jnp_sparse(batches: list[Batch], options: Options) -> Prepared:
 
 
 # ---------------------------------------------------------------------------------------------- tokamax
+def _accept_out_shape():
+    """Let ``plgpu.kernel`` take ``out_shape=`` and ``scratch_shapes=``, the names tokamax 0.0.12 (the last release
+    with its kernels) passes: JAX 0.11 renamed them ``out_type`` / ``scratch_types`` and passes unknown keywords on
+    to ``Mesh``, which rejects them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    kernel = plgpu.kernel
+    if "out_shape" in inspect.signature(kernel).parameters or getattr(kernel, "accepts_out_shape", False):
+        return
+
+    @functools.wraps(kernel)
+    def renamed(*args, out_shape=None, scratch_shapes=None, **kwargs):
+        if out_shape is not None:
+            kwargs["out_type"] = out_shape
+        if scratch_shapes is not None:
+            kwargs["scratch_types"] = scratch_shapes
+        return kernel(*args, **kwargs)
+
+    renamed.accepts_out_shape = True
+    plgpu.kernel = renamed
+
+
 def _prepare_tokamax_bwd(batches: list[Batch], options: Options) -> Prepared:
     try:
         import tokamax
@@ -529,6 +551,7 @@ def _prepare_tokamax_bwd(batches: list[Batch], options: Options) -> Prepared:
         raise NotImplementedError("tokamax_mosaic needs the tokamax package (pip install tokamax)") from e
     if not flags.FLAGS.is_parsed():  # tokamax's config parses sys.argv on first read: the harness's flags are not its
         flags.FLAGS(sys.argv[:1])
+    _accept_out_shape()
     if options.interpret:
         raise NotImplementedError("tokamax_mosaic is a Mosaic GPU (Hopper) kernel: GPU only, no interpret mode")
     host = batches[0].host
