@@ -206,7 +206,9 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         backend is gone), else Triton.
       deterministic: static bool. Both backward passes use no atomics (dK / dV and dQ are separate kernels), so
         gradients are bit-identical run to run either way; ``False`` (FlashAttention's leave to use atomic dQ
-        accumulation) is accepted for code written against it and changes nothing.
+        accumulation) is accepted for code written against it and changes nothing: dQ accumulated by TMA
+        reductions inside the dK / dV kernel measured slower than the separate dQ kernel
+        (docs/performance.md#varlen-backward).
 
     Returns:
       ``out [num_tokens, num_q_heads, head_dim]`` in q's dtype (and ``lse`` if asked). Array arguments may be
