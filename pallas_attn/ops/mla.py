@@ -41,9 +41,9 @@ def _validate(q, kv_cache, block_tables, seq_lens, cu_query_lens, kv_lora_rank, 
 
 
 def default_backend(q, kv_lora_rank: int, interpret: bool) -> str:
-    """``mla_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU wherever its kernel applies (it was
-    measured faster on every shape of L1, L2 and the ``mla-shapes`` grid: docs/performance.md#dense-mla), else
-    "triton"."""
+    """``mla_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU wherever its kernel applies (faster on
+    L1, L2 and every cell of the ``mla-shapes`` grid but one, a launch-bound cell where the two are within their
+    rounds' spread: docs/performance.md#dense-mla-default-backend), else "triton"."""
     if interpret or not backend_lib.is_hopper():
         return "triton"
     return "mosaic" if mosaic_mla.supported(q, kv_lora_rank) is None else "triton"
