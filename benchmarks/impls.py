@@ -335,8 +335,7 @@ def _prepare_mosaic(batches: list[Batch], options: Options) -> Prepared:
 def _on_gpu_mosaic(spec: Spec) -> bool:
     """The Mosaic GPU kernels of varlen prefill and the paged functions: compiled on a GPU only (their interpreter
     takes seconds for a few dozen tokens); the paged one where it takes the cache (its head dims and page sizes:
-    other shapes raise, which an error row would only repeat); dense MLA's where its head count and dims fit
-    (the default runs the Triton kernel there: this row is what a backend rule would be drawn from)."""
+    other shapes raise, which an error row would only repeat); dense MLA's where its head count and dims fit."""
     from pallas_attn.core import backend
     from pallas_attn.kernels.mosaic import paged as mosaic_paged, sparse_mla as mosaic_mla
     paged = (spec.kind in ("decode", "ragged") and spec.head_dim in mosaic_paged.HEAD_DIMS

@@ -307,7 +307,8 @@ def sparse_shape_specs(tiny: bool = False) -> list[Spec]:
 
 
 MLA_SHAPES = ((1, 32768, 16, 1), (1, 32768, 128, 1), (8, 8192, 16, 1), (8, 8192, 128, 1), (256, 2048, 16, 1),
-              (128, 4096, 64, 1), (32, 4096, 128, 2), (4, 65536, 128, 1))  # (requests, ctx, heads, new tokens)
+              (128, 4096, 64, 1), (32, 4096, 128, 2), (64, 8192, 16, 2), (4, 65536, 128, 1))
+# (requests, ctx, heads, new tokens): 16 heads with 2 new tokens is a TP-8 shard of DeepSeek-V3 with MTP
 
 
 def mla_shape_specs(tiny: bool = False) -> list[Spec]:

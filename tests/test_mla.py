@@ -225,10 +225,12 @@ def test_long_context_with_sinks_compiled(splits, rng):
 # ----------------------------------------------------------------------------- the Mosaic GPU kernel (sm_90)
 @pytest.mark.parametrize("heads, q_len, block_size, split, sinks", [
     (16, 1, 64, dict(num_splits=1), False), (16, 1, 64, dict(num_splits=4), True), (128, 2, 64, {}, True),
-    (32, 1, 16, dict(split_size=1024), False), (64, 3, 1, dict(num_splits=1), True), (8, 2, 48, {}, False)])
+    (32, 1, 16, dict(split_size=1024), False), (64, 3, 1, dict(num_splits=1), True), (8, 2, 48, {}, False),
+    (16, 3, 64, dict(num_splits=1), True), (16, 2, 64, dict(num_splits=3), True), (24, 2, 16, {}, False)])
 def test_mosaic_lowers_for_cuda(heads, q_len, block_size, split, sinks):
-    """The compiled Mosaic path's lowering (the shared row of positions, per-token tile counts, heads below 64
-    stored from the tile's first rows, sinks in the kernel or after the merge), checked without a GPU."""
+    """The compiled Mosaic path's lowering (the shared row of positions, per-block tile counts, heads below 64
+    stored from the tile's first rows, several tokens of a request in one tile, sinks in the kernel or after the
+    merge), checked without a GPU."""
     S = jax.ShapeDtypeStruct
     seqs = 3
     cu = [S((seqs + 1,), I32)] if q_len > 1 else []
@@ -271,12 +273,81 @@ def test_mosaic_matches_reference(name, split, rng):
     ([300, 129, 17], [3, 1, 4], 64, 16),  # several tokens, pages of 16
     ([700, 40], [1, 2], 32, 1),  # pages of one token
     ([333, 90], None, 8, 48),  # 8 heads, pages of 48
+    ([300, 129, 17, 5, 64], [3, 1, 4, 0, 2], 16, 64),  # 16 heads: 4 tokens a tile, a request of 1 and one of 0
+    ([70, 40, 9, 130], [8, 5, 2, 7], 8, 16),  # 8 heads: 8 tokens a tile, part-filled tiles
+    ([200, 65, 3], [2, 2, 3], 24, 64),  # 24 heads: 2 tokens a tile (48 rows), a request with fewer keys than tokens
 ])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_mosaic_shapes_compiled(case, sinks, rng):
     seq_lens, q_lens, heads, block_size = case
     s = jnp.asarray(rng.standard_normal(heads), jnp.float32) if sinks else None
     _check(rng, seq_lens, q_lens, heads, 576, 512, block_size, jnp.bfloat16, sinks=s, backend="mosaic")
+
+
+@pytest.mark.parametrize("heads, max_query_len, per_block", [(16, 1, 1), (16, 2, 2), (16, 3, 4), (16, 8, 4),
+                                                             (8, 8, 8), (24, 3, 2), (40, 4, 1), (128, 2, 1)])
+def test_mosaic_query_blocks(heads, max_query_len, per_block, rng):
+    """The dense Mosaic kernel's query blocks: every token of a request lands in exactly one block of its request,
+    at its place, and the block's first token and last token's keys give each row its own causal bound."""
+    from pallas_attn.core import metadata
+    from pallas_attn.kernels.mosaic import sparse_mla
+    from pallas_attn.ops import mla
+
+    assert sparse_mla.tokens_per_block(heads, max_query_len) == per_block
+    q_lens = rng.integers(0, max_query_len + 1, size=9)
+    q_lens[0] = max_query_len
+    num_tokens = int(q_lens.sum()) + 3  # padding rows
+    cu = _cu(q_lens)
+    seq_lens = jnp.asarray(rng.integers(0, 300, size=9), I32)
+    token_req = metadata.token_requests(cu, num_tokens)
+    token_keys = mla._token_keys(cu, seq_lens, token_req, 320)
+    (req, token0, keys, ntok), rows = sparse_mla.query_blocks(cu, token_req, token_keys, per_block)
+    if per_block == 1:
+        assert rows is None
+        rows = np.arange(num_tokens)
+    req, token0, keys, ntok, rows = map(np.asarray, (req, token0, keys, ntok, rows))
+    token_req, token_keys = np.asarray(token_req), np.asarray(token_keys)
+    slots = set()
+    for t in np.flatnonzero(token_req >= 0):
+        b, place = divmod(int(rows[t]), per_block)
+        assert req[b] == token_req[t] and token0[b] + place == t and place < ntok[b]
+        assert keys[b] - ntok[b] + 1 + place == token_keys[t] or token_keys[t] == 0 >= keys[b] - ntok[b] + 1 + place
+        slots.add((b, place))
+    assert len(slots) == int(q_lens.sum()) == int(ntok.sum())  # no token twice, no block row beyond its tokens
+    assert np.all(ntok[req < 0] == 0) and np.all(ntok[req >= 0] >= 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, q_lens", [(16, [2, 1, 2]), (128, None)])
+@pytest.mark.parametrize("split", [dict(split_size=1024), dict(num_splits=1)])
+def test_mosaic_batch_invariant(heads, q_lens, split, rng):
+    """The Mosaic kernel: with a fixed split_size (or no split) a request's output is bit-identical alone and in a
+    batch, tokens sharing a tile included (16 heads, two tokens a step)."""
+    seq_lens = [5000, 300, 70]
+    kv, _, bt = make_paged_kv(rng, seq_lens, 64, None, 576, jnp.bfloat16)
+    n = len(seq_lens) if q_lens is None else sum(q_lens)
+    q = jnp.asarray(rng.standard_normal((n, heads, 576)), jnp.bfloat16)
+    first = 1 if q_lens is None else q_lens[0]
+    kw = dict(backend="mosaic", max_query_len=1 if q_lens is None else 2, **split)
+    cu = (lambda lens: None) if q_lens is None else _cu
+    alone = mla_attention(q[:first], kv, bt[:1], jnp.asarray(seq_lens[:1], I32), cu(q_lens and q_lens[:1]), **kw)
+    batch = mla_attention(q, kv, bt, jnp.asarray(seq_lens, I32), cu(q_lens), **kw)
+    np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(batch[:first], np.float32))
+
+
+@pytest.mark.parametrize("programs, capacity, splits, decode_splits", [
+    (256, 8192, 1, 3),  # L2: 128 tokens × 2 head blocks cover the 132 SMs once
+    (256, 2048, 1, 2),  # 256 requests × 16 heads
+    (128, 8192, 5, 5),  # L1: 128 programs leave SMs idle: split
+    (1, 32768, 32, 32),  # one long request: a program a 1,024 keys
+])
+def test_mosaic_split_rule(programs, capacity, splits, decode_splits):
+    """The dense Mosaic kernel takes a whole SM (its shared memory): a batch fills the GPU at one program an SM, not
+    at the two of the decode heuristic (docs/performance.md#dense-mla-splits)."""
+    from pallas_attn.core import config
+
+    assert config.resolve_splits(programs, capacity, 64, None, None, programs_per_sm=1)[0] == splits
+    assert config.resolve_splits(programs, capacity, 64, None, None)[0] == decode_splits
 
 
 @pytest.mark.parametrize("hopper, interpret, heads, dtype, expected", [

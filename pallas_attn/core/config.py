@@ -280,17 +280,18 @@ def default_mla_config(num_heads: int, max_query_len: int) -> MLAConfig:
 
 
 def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, *, num_sms: int | None = None,
-                      min_split_tokens: int = 1024, max_splits: int = 64) -> int:
+                      min_split_tokens: int = 1024, max_splits: int = 64, programs_per_sm: int = 2) -> int:
     """Split-KV heuristic: split only when ``num_programs`` (batch × kv heads × query blocks) cannot fill the GPU,
     and never into segments shorter than ``min_split_tokens`` keys (below that the merge pass costs more than the
     parallelism buys: docs/performance.md#split-kv-heuristic, docs/design.md#split-kv-and-the-merge).
 
-    Several decode programs fit on one SM at once, so the batch alone "fills" the GPU at two programs per SM; below
-    that, aim at about four programs per SM: ``splits ≈ 4·SMs / num_programs``, capped by the longest context's tile
-    count and ``max_splits``. Returns 1 (the single-pass kernel, no merge) when the batch fills the machine.
+    Several decode programs fit on one SM at once, so the batch alone "fills" the GPU at ``programs_per_sm`` programs
+    per SM (2; 1 for a kernel whose shared memory takes a whole SM); below that, aim at about four programs per SM:
+    ``splits ≈ 4·SMs / num_programs``, capped by the longest context's tile count and ``max_splits``. Returns 1 (the
+    single-pass kernel, no merge) when the batch fills the machine.
     """
     sms = num_sms or backend.num_sms()
-    if num_programs >= 2 * sms:
+    if num_programs >= programs_per_sm * sms:
         return 1
     want = math.ceil(4 * sms / max(1, num_programs))
     cap = max(1, max_kv_len // max(min_split_tokens, block_n))
@@ -316,15 +317,16 @@ def balance_split_size(num_programs: int, max_kv_len: int, block_n: int, *, num_
 
 
 def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits: int | None,
-                   split_size: int | None) -> tuple[int, int | None]:
+                   split_size: int | None, *, programs_per_sm: int = 2) -> tuple[int, int | None]:
     """Static ``(num_splits, split_size)`` for a launch.
 
     * ``split_size`` given (tokens, a multiple of ``block_n``): fixed segments ``[s·split_size, (s+1)·split_size)``,
       ``num_splits = cdiv(max_kv_len, split_size)``; batch invariant.
     * ``num_splits`` given: each request's own tiles shared out evenly among that many segments.
-    * neither: :func:`choose_num_splits`; when it splits, it uses fixed segments of equal length (so a long
-      request gets more segments than a short one and the programs carry equal work). A batch that already fills
-      the GPU gets :func:`balance_split_size` segments when its capacity leaves a long tail.
+    * neither: :func:`choose_num_splits` (``programs_per_sm`` passed on); when it splits, it uses fixed segments
+      of equal length (so a long request gets more segments than a short one and the programs carry equal work). A
+      batch that already fills the GPU gets :func:`balance_split_size` segments when its capacity leaves a long
+      tail.
 
     ``max_kv_len`` is the static capacity (``max_blocks * block_size``), not the data: heuristics never sync.
     """
@@ -338,7 +340,7 @@ def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits:
         if not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"{num_splits=} must be a static int >= 1")
         return num_splits, None
-    splits = choose_num_splits(num_programs, max_kv_len, block_n)
+    splits = choose_num_splits(num_programs, max_kv_len, block_n, programs_per_sm=programs_per_sm)
     if splits == 1:
         size = balance_split_size(num_programs, max_kv_len, block_n)
         return (1, None) if size is None else (math.ceil(max_kv_len / size), size)

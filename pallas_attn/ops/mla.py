@@ -102,9 +102,10 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, cu_query_lens=None, *, ma
       config: :class:`pallas_attn.MLAConfig` (tiles, heads and tokens per program, warps, stages) of the Triton
         kernel.
       backend: "triton" or "mosaic": the Hopper kernel (warp-specialised, a memory warpgroup gathering each 64-key
-        tile through the block table with ``cp.async``, wgmma; one program per token and 64 heads, or all heads
-        below 64; bf16/fp16, 64 rope dims, value dims a multiple of 64 in (192, 512], compiled only — anything
-        else raises). None: :func:`default_backend` (Mosaic on a compiled Hopper GPU where it applies).
+        tile through the block table with ``cp.async``, wgmma; one program per token and 64 heads, or below 64
+        heads as many tokens of a request as fill 64 rows; bf16/fp16, 64 rope dims, value dims a multiple of 64 in
+        (192, 512], compiled only — anything else raises). None: :func:`default_backend` (Mosaic on a compiled
+        Hopper GPU where it applies).
 
     Returns:
       ``out [num_tokens, num_heads, kv_lora_rank]`` in q's dtype (and ``lse``). No tokens, no request, no page or an
@@ -137,13 +138,17 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, cu_query_lens=None, *, ma
         else:
             cu_query_lens = metadata.clamp_cu(cu_query_lens, num_tokens)
             token_req = metadata.token_requests(cu_query_lens, num_tokens)
+        # one program an SM (its shared memory): a batch of as many programs as SMs already fills the GPU, and a
+        # split of it measured slower (docs/performance.md#dense-mla-splits)
+        query_blocks = pl.cdiv(num_tokens, mosaic_mla.tokens_per_block(num_heads, 1 if decode else max_query_len))
         splits, split_size = config_lib.resolve_splits(
-            num_tokens * (num_heads // mosaic_mla.head_block(num_heads)), capacity, mosaic_mla.BLOCK_N, num_splits,
-            split_size)
+            query_blocks * (num_heads // mosaic_mla.head_block(num_heads)), capacity, mosaic_mla.BLOCK_N, num_splits,
+            split_size, programs_per_sm=1)
         run = functools.partial(mosaic_mla.dense_mla_mosaic, kv_lora_rank=kv_lora_rank, scale=float(scale),
-                                num_splits=splits, split_size=split_size)
+                                num_splits=splits, split_size=split_size, max_query_len=1 if decode else max_query_len)
         out, lse = common.no_backward("mla_attention", run)(
-            q, kv_cache, block_tables, token_req, _token_keys(cu_query_lens, seq_lens, token_req, capacity), sinks)
+            q, kv_cache, block_tables, cu_query_lens, token_req,
+            _token_keys(cu_query_lens, seq_lens, token_req, capacity), sinks)
         return (out, lse) if return_lse else out
     cfg = config or config_lib.default_mla_config(num_heads, 1 if decode else max_query_len)
     if decode:  # query block b is request b's one token

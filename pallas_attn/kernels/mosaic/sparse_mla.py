@@ -4,7 +4,9 @@ The same contract as :func:`pallas_attn.ops.sparse_mla.sparse_mla_attention` (wh
 where it applies), written FlashMLA-style for the backend that reaches Hopper's own instructions from Pallas:
 
 * grid ``(num_tokens, H / 64)``: program ``(t, g)`` takes token ``t``'s heads ``64 g .. 64 g + 63`` (the M dim of
-  both matmuls: every selected latent row is read once per 64 heads, not once per head).
+  both matmuls: every selected latent row is read once per 64 heads, not once per head). Dense MLA below 64 heads
+  fills the tile's rows with several tokens of one request instead (:func:`tokens_per_block`), each row masked to
+  its own token's keys: a multi-token step reads each latent tile once for all of them.
 * three warpgroups. The **memory** warpgroup translates the token's top-k list a tile ahead (top-k position → its
   request's ``block_table`` → physical slot, ``-1`` for unused entries: the translation happens here, in the
   kernel) into a small ring of resolved cache rows, then gathers ``64``-row tiles of the latent cache into two
@@ -49,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
-from pallas_attn.core import backend, softmax
+from pallas_attn.core import backend, config as config_lib, metadata, softmax
 
 BLOCK_H = 64  # heads per program: one wgmma M tile
 BLOCK_N = 64  # selected rows per shared-memory slot
@@ -247,25 +249,32 @@ def _tile_range(keys, split, *, split_tiles: int, num_splits: int, dense: bool):
     return first, jnp.clip(tiles - first, 0, per)
 
 
-def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *refs, block_size: int,
-            num_pages: int, scale2: float, col_blocks: tuple[tuple[int, int], ...], registers: tuple[int, int, int],
-            split_tiles: int, num_splits: int, dense: bool, block_h: int, has_sinks: bool):
-    # refs: [sinks f32[max(H, 64)]] (with has_sinks), then o [splits, T, H, Dv], lse f32[splits, T, H], the scratch.
-    # Dense: topk_ref is one shared row of positions 0, 1, 2, ... and token_keys the token's visible keys.
+def _kernel(block_req_ref, block_token_ref, block_keys_ref, block_ntok_ref, topk_ref, table_ref, q_ref, kv_ref,
+            *refs, block_size: int, num_pages: int, scale2: float, col_blocks: tuple[tuple[int, int], ...],
+            registers: tuple[int, int, int], split_tiles: int, num_splits: int, dense: bool, num_heads: int,
+            block_h: int, tokens_per_block: int, has_sinks: bool):
+    # A query block is tokens_per_block consecutive tokens of one request (sparse: one token): its request, first
+    # token, the keys its last token sees (the most) and how many tokens it has, -1 / 0 past the last request.
+    # refs: [sinks f32[rows]] (with has_sinks: a sink per row of the blocks' tiles), then
+    # o [splits, blocks, tokens_per_block · H, Dv], lse f32[splits, blocks, tokens_per_block · H], the scratch.
+    # Dense: topk_ref is one shared row of positions 0, 1, 2, ...
     sinks_ref = refs[0] if has_sinks else None
     o_ref, lse_ref, scoped = refs[-3:]
     (qo, k_nope, k_rope, ring, stats), (q_bar, loaded, p_ready, consumed, l_ready) = scoped
-    t = lax.axis_index("token")
+    blk = lax.axis_index("block")
     g = lax.axis_index("hblk")
     split = lax.axis_index("split")  # this program's tiles of the top-k list: split_tiles from split · split_tiles
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     kv_lora_rank = k_nope.shape[-1]
-    req = token_req_ref[t]
-    first_tile, count = _tile_range(token_keys_ref[t], split, split_tiles=split_tiles, num_splits=num_splits,
-                                    dense=dense)
-    num_tiles = jnp.where(req >= 0, count, 0)  # a padding token visits no tile
-    heads = pl.ds(g * block_h, block_h)  # the tile's first block_h rows; the rest (block_h < 64) are never stored
+    req = block_req_ref[blk]
+    keys = block_keys_ref[blk]
+    first_tile, count = _tile_range(keys, split, split_tiles=split_tiles, num_splits=num_splits, dense=dense)
+    num_tiles = jnp.where(req >= 0, count, 0)  # a padding block visits no tile
+    # The tile's rows: tokens_per_block · block_h rows of q [T · H, D] (token-major); the rest of the 64 (fewer heads
+    # than a tile) are computed and never stored.
+    num_rows = tokens_per_block * block_h
+    out_rows = pl.ds(g * num_rows, num_rows)
     q_smem, (o_smems, lse_smem) = qo
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     score_blocks, value_blocks = range(1), range(1, len(col_blocks))  # the score warpgroup's columns, the rest
@@ -289,18 +298,24 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
             o_smems[b][...] = softmax.normalize(acc, l_i).astype(dtype)
         plgpu.commit_smem()
         for b in blocks:
-            plgpu.copy_smem_to_gmem(rows(o_smems[b]), o_ref.at[split, t, heads, pl.ds(*col_blocks[b])])
+            plgpu.copy_smem_to_gmem(rows(o_smems[b]), o_ref.at[split, blk, out_rows, pl.ds(*col_blocks[b])])
 
-    def rows(ref):  # the tile rows that hold this program's heads
-        return ref if block_h == BLOCK_H else ref.at[pl.ds(0, block_h)]
+    def rows(ref):  # the tile rows that hold this program's tokens and heads
+        return ref if num_rows == BLOCK_H else ref.at[pl.ds(0, num_rows)]
 
     @pl.when(wg == 0)
     def _scores():
         plgpu.set_max_registers(registers[0], action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[t, heads], rows(q_smem), q_bar)
-        plgpu.barrier_wait(q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(block_token_ref[blk] * num_heads + g * num_rows, num_rows)],
+                                rows(q_smem), q_bar)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32), row_layout)
         l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0.0, jnp.float32), row_layout)
+        row_keys = None
+        if tokens_per_block > 1:  # row r is the block's token r // H: its keys, the causal bound (none past the block)
+            ntok = block_ntok_ref[blk]
+            token = lax.div(plgpu.broadcasted_iota(jnp.int32, (BLOCK_H,), 0, layout=row_layout), jnp.int32(num_heads))
+            row_keys = jnp.where(token < ntok, keys - ntok + 1 + token, 0)
+        plgpu.barrier_wait(q_bar)
 
         def step(j, state):
             accs, m_i, l_i = state
@@ -315,7 +330,12 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
 
             s2 = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_N), jnp.float32)) * scale2
             rows = plgpu.load(ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, BLOCK_N)], layout=plgpu.Layout.WGMMA.reduce(0))
-            s2 = jnp.where(lax.broadcast_in_dim(rows >= 0, s2.shape, [1]), s2, -jnp.inf)
+            visible = lax.broadcast_in_dim(rows >= 0, s2.shape, [1])
+            if row_keys is not None:
+                limit = row_keys - (first_tile + j) * BLOCK_N  # [64]: each row's keys left in this tile
+                key = plgpu.broadcasted_iota(jnp.int32, s2.shape, 1, layout=plgpu.Layout.WGMMA)
+                visible = visible & (key < lax.broadcast_in_dim(limit, s2.shape, [0]))
+            s2 = jnp.where(visible, s2, -jnp.inf)
             m_i, alpha, p, l_i = softmax.softmax_update(m_i, l_i, s2)
             p16 = p.astype(dtype)
             k_rope.at[slot][...] = p16  # Q Kᵀ has read the rope columns: they carry P to the value warpgroup
@@ -328,7 +348,7 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
 
         accs, m_i, l_i = lax.fori_loop(0, num_tiles, step, (zeros(score_blocks), m_i, l_i))
         # [64]: the heads' sinks in base 2 join the denominator both warpgroups divide by, not the LSE
-        sink2 = (plgpu.load(sinks_ref.at[pl.ds(g * block_h, BLOCK_H)], layout=row_layout, optimized=False)
+        sink2 = (plgpu.load(sinks_ref.at[pl.ds(g * num_rows, BLOCK_H)], layout=row_layout, optimized=False)
                  * softmax.LOG2E
                  if has_sinks else None)  # GMEM: a plain load, 64 floats
         den = softmax.with_sink(m_i, l_i, sink2)
@@ -336,7 +356,7 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
         plgpu.barrier_arrive(l_ready)  # also: the last Q Kᵀ is done, q's memory may take the outputs
         lse_smem[...] = softmax.log_sum_exp(m_i, l_i)
         store(accs, den, score_blocks)
-        plgpu.copy_smem_to_gmem(rows(lse_smem), lse_ref.at[split, t, heads])
+        plgpu.copy_smem_to_gmem(rows(lse_smem), lse_ref.at[split, blk, out_rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -365,8 +385,8 @@ def _kernel(token_req_ref, token_keys_ref, topk_ref, table_ref, q_ref, kv_ref, *
     @pl.when((wg == COMPUTE_WGS) & (num_tiles > 0))
     def _memory():
         def resolve(j, n: int):  # tiles j .. j + n - 1 into the ring (j % RING + n <= RING)
-            _resolve_slots(topk_ref.at[0 if dense else t, pl.ds((first_tile + j) * BLOCK_N, n * BLOCK_N)],
-                           table_ref.at[req], token_keys_ref.at[pl.ds(t, 1)],
+            _resolve_slots(topk_ref.at[0 if dense else blk, pl.ds((first_tile + j) * BLOCK_N, n * BLOCK_N)],
+                           table_ref.at[req], block_keys_ref.at[pl.ds(blk, 1)],
                            ring.at[pl.ds(lax.rem(j, RING) * BLOCK_N, n * BLOCK_N)],
                            block_size=block_size, num_pages=num_pages)
 
@@ -442,40 +462,96 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, token_
         num_splits = default_splits(num_tokens * (num_heads // head_block(num_heads)), num_tiles)
     if num_tiles % num_splits:
         raise ValueError(f"num_splits={num_splits} must divide the {num_tiles} top-k tiles")
-    return _launch(q, kv_cache, block_tables, topk_indices, token_req, token_keys, sinks, kv_lora_rank=kv_lora_rank,
-                   scale=scale, registers=registers, score_cols=score_cols, num_splits=num_splits,
-                   split_tiles=num_tiles // num_splits, dense=False)
+    blocks, _ = query_blocks(None, token_req, token_keys, 1)
+    out, lse = _launch(q, kv_cache, block_tables, topk_indices, blocks, sinks, kv_lora_rank=kv_lora_rank, scale=scale,
+                       registers=registers, score_cols=score_cols, num_splits=num_splits,
+                       split_tiles=num_tiles // num_splits, dense=False)
+    return softmax.merge_split_outputs(out, lse, num_splits, (num_tokens, num_heads, kv_lora_rank), q.dtype,
+                                       sinks if num_splits > 1 else None)
 
 
-def dense_mla_mosaic(q, kv_cache, block_tables, token_req, token_keys, sinks=None, *, kv_lora_rank: int,
-                     scale: float, num_splits: int, split_size: int | None,
+def tokens_per_block(num_heads: int, max_query_len: int) -> int:
+    """Tokens of one request a dense program takes (its query block): as many as fill the 64-row tile with all their
+    heads, no more than a request can have. Below 64 heads a multi-token step's tokens then share each latent tile
+    read (a TP-8 shard's 16 heads, 2 tokens: one read of the request's cache instead of two)."""
+    return max(1, min(BLOCK_H // num_heads, config_lib.next_pow2(max(1, max_query_len))))
+
+
+def query_blocks(cu_query_lens, token_req, token_keys, per_block: int):
+    """The dense kernel's query blocks: ``per_block`` consecutive tokens of one request each, a request's tokens in
+    ``cdiv(q_len, per_block)`` blocks, requests in order, then padding blocks.
+
+    ``cu_query_lens``: clamped (:func:`pallas_attn.core.metadata.clamp_cu`); unused with ``per_block == 1``.
+    Returns ``(blocks, token_rows)``: ``blocks`` = ``(request (-1: padding), first token, keys its last token sees
+    (the most), tokens)``, each ``i32[num_blocks]`` for a static bound ``num_blocks`` on any batch of these shapes;
+    ``token_rows i32[T]`` where token ``t`` sits among the blocks' ``num_blocks · per_block`` token slots (0 for a
+    padding token), or None with ``per_block == 1``: block ``t`` is token ``t``."""
+    num_tokens = token_req.shape[0]
+    if per_block == 1:
+        ntok = (token_req >= 0).astype(jnp.int32)
+        return (token_req, jnp.arange(num_tokens, dtype=jnp.int32), token_keys, ntok), None
+    num_seqs = cu_query_lens.shape[0] - 1
+    q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
+    # Σ cdiv(q_len, n) <= (T + S (n - 1)) / n: the lengths are clamped to the T rows
+    num_blocks = max(1, (num_tokens + num_seqs * (per_block - 1)) // per_block)
+    block_req, first, cu_blocks = metadata.segment_items((q_lens + per_block - 1) // per_block, num_blocks)
+    owned, req = block_req >= 0, jnp.maximum(block_req, 0)
+    token0 = cu_query_lens[req] + first * per_block
+    ntok = jnp.where(owned, jnp.clip(q_lens[req] - first * per_block, 0, per_block), 0)
+    last_keys = token_keys[jnp.clip(token0 + ntok - 1, 0, num_tokens - 1)]
+    blocks = (block_req, jnp.where(owned, token0, 0), jnp.where(owned, last_keys, 0), ntok)
+    tok_req = jnp.maximum(token_req, 0)
+    local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_query_lens[tok_req]
+    return blocks, jnp.where(token_req >= 0, cu_blocks[tok_req] * per_block + local, 0)
+
+
+def dense_mla_mosaic(q, kv_cache, block_tables, cu_query_lens, token_req, token_keys, sinks=None, *,
+                     kv_lora_rank: int, scale: float, num_splits: int, split_size: int | None, max_query_len: int,
                      registers: tuple[int, int, int] = (240, 224, 40), score_cols: int = SCORE_COLS):
     """Dense MLA (:func:`pallas_attn.mla_attention`) on this kernel: token ``t`` sees its request's positions
     ``[0, token_keys[t])`` (the causal bound of a multi-token step included), so its list is every position, one
     row ``0, 1, 2, ...`` shared by all tokens (read from L2, never per token), and it walks only its own tiles.
-    ``num_splits`` segments per token, of ``split_size`` keys (a multiple of ``BLOCK_N``) or, with None, an even
-    share of the token's tiles. ``(out [T, H, kv_lora_rank], lse f32[T, H])``; ``token_req`` -1 for padding
+    A program takes :func:`tokens_per_block` consecutive tokens of one request (``cu_query_lens``, clamped; below 64
+    heads and with ``max_query_len > 1`` several, each row masked to its token's keys).
+    ``num_splits`` segments per block, of ``split_size`` keys (a multiple of ``BLOCK_N``) or, with None, an even
+    share of the block's tiles. ``(out [T, H, kv_lora_rank], lse f32[T, H])``; ``token_req`` -1 for padding
     tokens (zeros, -inf)."""
     reason = supported(q, kv_lora_rank)
     if reason is not None:
         raise ValueError(f"the Mosaic MLA kernel does not support {reason}")
     if split_size is not None and split_size % BLOCK_N:
         raise ValueError(f"{split_size=} must be a multiple of the Mosaic MLA kernel's {BLOCK_N}-key tiles")
+    num_tokens, num_heads, _ = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     capacity = pl.cdiv(block_tables.shape[1] * block_size, BLOCK_N) * BLOCK_N
     positions = jnp.arange(capacity, dtype=jnp.int32)[None, :]  # masked past each token's keys by the resolve
-    return _launch(q, kv_cache, block_tables, positions, token_req, token_keys, sinks, kv_lora_rank=kv_lora_rank,
-                   scale=scale, registers=registers, score_cols=score_cols, num_splits=num_splits,
-                   split_tiles=split_size // BLOCK_N if split_size else 0, dense=True)
+    per_block = tokens_per_block(num_heads, max_query_len)
+    blocks, token_rows = query_blocks(cu_query_lens, token_req, token_keys, per_block)
+    out, lse = _launch(q, kv_cache, block_tables, positions, blocks, sinks, kv_lora_rank=kv_lora_rank, scale=scale,
+                       registers=registers, score_cols=score_cols, num_splits=num_splits,
+                       split_tiles=split_size // BLOCK_N if split_size else 0, dense=True,
+                       tokens_per_block=per_block)
+    if token_rows is not None:
+        owned = token_req >= 0
+        out = jnp.where(owned[None, :, None, None], out.reshape(num_splits, -1, num_heads, kv_lora_rank)[:, token_rows],
+                        jnp.zeros((), out.dtype))
+        lse = jnp.where(owned[None, :, None], lse.reshape(num_splits, -1, num_heads)[:, token_rows], -jnp.inf)
+    return softmax.merge_split_outputs(out, lse, num_splits, (num_tokens, num_heads, kv_lora_rank), q.dtype,
+                                       sinks if num_splits > 1 else None)
 
 
-def _launch(q, kv_cache, block_tables, positions, token_req, token_keys, sinks, *, kv_lora_rank: int, scale: float,
-            registers: tuple[int, int, int], score_cols: int, num_splits: int, split_tiles: int, dense: bool):
-    """The kernel over ``(token, head block, split)`` programs, then the split merge. ``positions``: each token's
-    top-k list (sparse), or the one shared row of positions (dense); ``split_tiles`` as :func:`_tile_range`."""
+def _launch(q, kv_cache, block_tables, positions, blocks, sinks, *, kv_lora_rank: int, scale: float,
+            registers: tuple[int, int, int], score_cols: int, num_splits: int, split_tiles: int, dense: bool,
+            tokens_per_block: int = 1):
+    """The kernel over ``(query block, head block, split)`` programs: ``(out [splits, blocks, tokens_per_block · H,
+    kv_lora_rank], lse f32[splits, blocks, tokens_per_block · H])``, unmerged. ``positions``: each token's top-k
+    list (sparse), or the one shared row of positions (dense); ``blocks``: ``(request, first token, keys of its last
+    token, tokens)``, each ``i32[num_blocks]`` (:func:`_kernel`); ``split_tiles`` as :func:`_tile_range`."""
     num_tokens, num_heads, dim = q.shape
     num_blocks, block_size, _ = kv_cache.shape
+    num_query_blocks = blocks[0].shape[0]
     block_h = head_block(num_heads)
+    block_rows = tokens_per_block * num_heads  # output rows a query block owns
     col_blocks = _value_blocks(kv_lora_rank, score_cols)
     tiled = dict(transforms=(plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE)))
     scratch = (
@@ -491,27 +567,30 @@ def _launch(q, kv_cache, block_tables, positions, token_req, token_keys, sinks, 
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=NUM_SLOTS), plgpu.Barrier()),
     )
     # an unsplit program sees its rows' whole list and applies the sink; split partials leave it to the merge.
-    # Padded to a whole 64-row tile: the score warpgroup loads one sink per tile row.
+    # One sink per row of a block (its tokens' heads), padded to a whole 64-row tile: the score warpgroup loads one
+    # per tile row.
     in_kernel_sinks = []
     if sinks is not None and num_splits == 1:
-        sinks_f32 = sinks.astype(jnp.float32)
-        in_kernel_sinks = [sinks_f32 if num_heads >= BLOCK_H else jnp.pad(sinks_f32, (0, BLOCK_H - num_heads))]
+        row_sinks = jnp.tile(sinks.astype(jnp.float32), tokens_per_block)
+        in_kernel_sinks = [jnp.pad(row_sinks, (0, max(0, BLOCK_H - block_rows)))]
+    # q [T · H, D], token-major: a block's rows are contiguous. The last blocks' tiles may reach past the last token.
+    q_rows = q.reshape(num_tokens * num_heads, dim)
+    if tokens_per_block > 1:
+        q_rows = jnp.pad(q_rows, ((0, (tokens_per_block - 1) * num_heads), (0, 0)))
     body = functools.partial(_kernel, block_size=block_size, num_pages=num_blocks, scale2=scale * softmax.LOG2E,
                              col_blocks=col_blocks, registers=registers, split_tiles=split_tiles,
-                             num_splits=num_splits, dense=dense, block_h=block_h, has_sinks=bool(in_kernel_sinks))
+                             num_splits=num_splits, dense=dense, num_heads=num_heads, block_h=block_h,
+                             tokens_per_block=tokens_per_block, has_sinks=bool(in_kernel_sinks))
 
     def mla_kernel(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
 
     mla_kernel.__name__ = "dense_mla_kernel" if dense else "sparse_mla_kernel"
-    out, lse = plgpu.kernel(
+    return plgpu.kernel(
         mla_kernel,
-        out_type=[jax.ShapeDtypeStruct((num_splits, num_tokens, num_heads, kv_lora_rank), q.dtype),
-                  jax.ShapeDtypeStruct((num_splits, num_tokens, num_heads), jnp.float32)],
-        grid=(num_tokens, num_heads // block_h, num_splits), grid_names=("token", "hblk", "split"),
+        out_type=[jax.ShapeDtypeStruct((num_splits, num_query_blocks, block_rows, kv_lora_rank), q.dtype),
+                  jax.ShapeDtypeStruct((num_splits, num_query_blocks, block_rows), jnp.float32)],
+        grid=(num_query_blocks, num_heads // block_h, num_splits), grid_names=("block", "hblk", "split"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(token_req, token_keys, positions, block_tables, q, kv_cache.reshape(num_blocks * block_size, dim),
-      *in_kernel_sinks)
-    return softmax.merge_split_outputs(out, lse, num_splits, (num_tokens, num_heads, kv_lora_rank), q.dtype,
-                                       sinks if num_splits > 1 else None)
+    )(*blocks, positions, block_tables, q_rows, kv_cache.reshape(num_blocks * block_size, dim), *in_kernel_sinks)
