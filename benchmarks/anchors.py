@@ -621,6 +621,12 @@ def _ids(*ids):
     return lambda s: s.id in ids
 
 
+def _ids_or_model_cells(*ids, kind: str):
+    """The standard workloads ``ids``, and the model-shaped grid's cells of ``kind`` (its causal ones: these anchors
+    attend causally; the encoder cells have the jnp floor only), so each cell has its best anchor."""
+    return lambda s: s.id in ids or (s.family == "models" and s.kind == kind and s.causal)
+
+
 def _forward_or_step(forward, step):
     """One anchor on the prefill workloads and their training steps: ``step`` for a ``prefill-bwd`` workload."""
     return lambda batches, options: (step if batches[0].spec.kind == "prefill-bwd" else forward)(batches, options)
@@ -636,14 +642,15 @@ def _jnp_features(spec: Spec) -> frozenset[str]:
 
 
 ANCHORS: list[Impl] = [
-    Impl("cudnn", _ids("P1", "P2", "P1-bwd", "P2-bwd"), _forward_or_step(_prepare_cudnn, _prepare_cudnn_bwd)),
+    Impl("cudnn", _ids_or_model_cells("P1", "P2", "P1-bwd", "P2-bwd", kind="prefill"),
+         _forward_or_step(_prepare_cudnn, _prepare_cudnn_bwd)),
     Impl("cudnn/packed", _ids("P1"), _prepare_cudnn_packed),
-    Impl("cudnn/paged", _ids("D1", "D2"), _prepare_cudnn_paged),
+    Impl("cudnn/paged", _ids_or_model_cells("D1", "D2", kind="decode"), _prepare_cudnn_paged),
     Impl("jax_pallas_mha", _ids("P1", "P2", "P1-bwd", "P2-bwd"), _prepare_jax_mha),
-    Impl("jax_pallas_mgpu", _ids("P1", "P2"), _prepare_jax_mgpu),
+    Impl("jax_pallas_mgpu", _ids_or_model_cells("P1", "P2", kind="prefill"), _prepare_jax_mgpu),
     Impl("tokamax_mosaic", _ids("P1-bwd", "P2-bwd"), _prepare_tokamax_bwd),
-    Impl("jax_pallas_decode", _ids("D1", "D2"), _prepare_jax_decode),
-    Impl("jax_pallas_paged", _ids("D1", "D2", "V1"), _prepare_jax_paged),
+    Impl("jax_pallas_decode", _ids_or_model_cells("D1", "D2", kind="decode"), _prepare_jax_decode),
+    Impl("jax_pallas_paged", _ids_or_model_cells("D1", "D2", "V1", kind="decode"), _prepare_jax_paged),
     Impl("jnp", lambda s: not s.family, _forward_or_step(_prepare_jnp, _prepare_jnp_bwd), features=_jnp_features),
     Impl("sparse_mla_attention/all", _standard_mla, _prepare_sparse_all),
     Impl("paged_attention/latent", _standard_mla, _prepare_paged_latent, limits=_latent_head_dim_limit),
