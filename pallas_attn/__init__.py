@@ -18,7 +18,7 @@ LSE convention: natural log, float32, ``-inf`` for a row that sees no key (its o
 
 from pallas_attn.checks import checked
 from pallas_attn.core.backend import BackendUnavailableError
-from pallas_attn.core.cache import allocate_kv_cache, allocate_kv_scales, write_kv_cache
+from pallas_attn.core.cache import allocate_kv_cache, allocate_kv_scales, quantize_latent, write_kv_cache
 from pallas_attn.core.config import DecodeConfig, MLAConfig, MosaicPrefillConfig, PrefillConfig, SparseConfig
 from pallas_attn.core.metadata import BatchMetadata, build_metadata
 from pallas_attn.ops.decode import paged_decode_attention
@@ -45,7 +45,7 @@ except ImportError:  # a source checkout: load reference/ under the same name
 __all__ = [
     "BackendUnavailableError", "BatchMetadata", "DecodeConfig", "MLAConfig", "MosaicPrefillConfig", "PrefillConfig",
     "SparseConfig", "allocate_kv_cache", "allocate_kv_scales", "build_metadata", "checked", "merge_attention_states",
-    "mla_attention", "paged_attention", "paged_decode_attention", "reference", "sparse_mla_attention",
-    "varlen_attention", "write_kv_cache",
+    "mla_attention", "paged_attention", "paged_decode_attention", "quantize_latent", "reference",
+    "sparse_mla_attention", "varlen_attention", "write_kv_cache",
 ]
 __version__ = "0.1.0"

@@ -26,6 +26,8 @@ max_blocks, topk, S num_splits.
 from .attention import (
     FP8_DTYPES,
     dequantize_kv,
+    dequantize_latent,
+    fp8_latent_width,
     kv_scale_per_tensor,
     kv_scales_per_token_head,
     merge_attention_states,
@@ -33,6 +35,7 @@ from .attention import (
     paged_attention,
     paged_decode_attention,
     quantize_kv,
+    quantize_latent,
     sparse_mla_attention,
     varlen_attention,
     varlen_attention_dense,
@@ -41,6 +44,8 @@ from .attention import (
 __all__ = [
     "FP8_DTYPES",
     "dequantize_kv",
+    "dequantize_latent",
+    "fp8_latent_width",
     "kv_scale_per_tensor",
     "kv_scales_per_token_head",
     "merge_attention_states",
@@ -48,6 +53,7 @@ __all__ = [
     "paged_attention",
     "paged_decode_attention",
     "quantize_kv",
+    "quantize_latent",
     "sparse_mla_attention",
     "varlen_attention",
     "varlen_attention_dense",

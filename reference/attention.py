@@ -133,6 +133,59 @@ def dequantize_kv(cache, scale):
     return cache.astype(jnp.float32) * _check_kv_scale("scale", scale, cache.shape[:-1])
 
 
+FP8_LATENT_GROUP = 128  # latent values per float32 scale in an FP8 latent row
+
+
+def fp8_latent_width(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one FP8 latent row (FlashMLA's layout): ``kv_lora_rank`` e4m3 values, a float32 scale per
+    ``FP8_LATENT_GROUP`` of them, ``rope_dim`` bfloat16 values (DeepSeek: 512 + 16 + 128 = 656)."""
+    return kv_lora_rank + 4 * (kv_lora_rank // FP8_LATENT_GROUP) + 2 * rope_dim
+
+
+def _check_latent_rank(kv_lora_rank: int, dim: int) -> None:
+    if kv_lora_rank % FP8_LATENT_GROUP or not 0 < kv_lora_rank <= dim:
+        raise ValueError(f"kv_lora_rank must be a multiple of {FP8_LATENT_GROUP} in (0, {dim}] for an FP8 latent "
+                         f"row; got {kv_lora_rank}")
+
+
+def quantize_latent(latent, kv_lora_rank: int = 512):
+    """``uint8[..., fp8_latent_width]``: latent rows ``[..., kv_lora_rank + rope_dim]`` as an FP8 latent cache
+    stores them (FlashMLA's layout, little-endian): ``kv_lora_rank`` float8_e4m3fn values ``x / scale_g``, then
+    one float32 ``scale_g = max |x| / 448`` per group of 128 of them (1 for an all-zero group), then the
+    ``rope_dim`` rope values in bfloat16. A finite row never stores inf or NaN; a NaN stays NaN."""
+    x = jnp.asarray(latent, jnp.float32)
+    _check_latent_rank(kv_lora_rank, x.shape[-1])
+    lead, groups = x.shape[:-1], kv_lora_rank // FP8_LATENT_GROUP
+    nope = x[..., :kv_lora_rank].reshape(*lead, groups, FP8_LATENT_GROUP)
+    amax = jnp.max(jnp.abs(nope), axis=-1)
+    finite = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    scale = jnp.where(amax > 0, amax / finite, 1.0)  # NaN amax: compares false, the NaN values stay NaN
+    values = jnp.clip(nope / scale[..., None], -finite, finite).astype(jnp.float8_e4m3fn)
+    as_bytes = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(*lead, -1)  # noqa: E731
+    return jnp.concatenate([as_bytes(values), as_bytes(scale.astype(jnp.float32)),
+                            as_bytes(x[..., kv_lora_rank:].astype(jnp.bfloat16))], axis=-1)
+
+
+def dequantize_latent(cache, kv_lora_rank: int = 512):
+    """``f32[..., kv_lora_rank + rope_dim]``: FP8 latent rows (:func:`quantize_latent`) as attention reads them,
+    each e4m3 value times its group's scale, the rope values widened."""
+    cache = jnp.asarray(cache)
+    if cache.dtype != jnp.uint8:
+        raise ValueError(f"an FP8 latent cache is uint8 (FlashMLA's byte layout); got {cache.dtype}")
+    groups = kv_lora_rank // FP8_LATENT_GROUP
+    rope_bytes = cache.shape[-1] - kv_lora_rank - 4 * groups
+    if kv_lora_rank % FP8_LATENT_GROUP or kv_lora_rank <= 0 or rope_bytes < 0 or rope_bytes % 2:
+        raise ValueError(f"rows of {cache.shape[-1]} bytes are not FP8 latent rows of kv_lora_rank={kv_lora_rank} "
+                         f"(kv_lora_rank + 4 * kv_lora_rank / {FP8_LATENT_GROUP} + 2 * rope_dim bytes)")
+    lead = cache.shape[:-1]
+    values = jax.lax.bitcast_convert_type(cache[..., :kv_lora_rank], jnp.float8_e4m3fn).astype(jnp.float32)
+    scales = jax.lax.bitcast_convert_type(
+        cache[..., kv_lora_rank:kv_lora_rank + 4 * groups].reshape(*lead, groups, 4), jnp.float32)
+    rope = jax.lax.bitcast_convert_type(cache[..., kv_lora_rank + 4 * groups:].reshape(*lead, -1, 2), jnp.bfloat16)
+    nope = values.reshape(*lead, groups, FP8_LATENT_GROUP) * scales[..., None]
+    return jnp.concatenate([nope.reshape(*lead, kv_lora_rank), rope.astype(jnp.float32)], axis=-1)
+
+
 def _kv_caches(k_cache, v_cache, k_scale, v_scale):
     """The caches the paged oracles attend over: an FP8 pair dequantised with its scales (both required), any
     other as given (scales then refused)."""
@@ -506,7 +559,8 @@ def sparse_mla_attention(q, kv_cache, block_tables, topk_indices, *, cu_query_le
                          kv_lora_rank=512, softmax_scale=None, sinks=None, return_lse=False, interpret=None):
     """Top-k sparse attention over an MLA latent cache (one KV head shared by all query heads).
 
-    q: [T, H, Dqk] (Dqk = 576 = 512 latent + 64 rope); kv_cache: [num_blocks, block_size, Dqk];
+    q: [T, H, Dqk] (Dqk = 576 = 512 latent + 64 rope); kv_cache: [num_blocks, block_size, Dqk], or an FP8 latent
+    cache uint8[num_blocks, block_size, fp8_latent_width] (:func:`quantize_latent`), read as its dequantised rows;
     block_tables: i32[B, max_blocks]; topk_indices: i32[T, topk] request-local key positions, -1 = unused;
     cu_query_lens: i32[B + 1], or None meaning token t is the single query of request t (T == B).
 
@@ -555,7 +609,8 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, cu_query_lens=None, *, ma
     """Dense attention over an MLA latent cache (DeepSeek-V3 / Kimi-K2 with absorbed queries): every query head
     attends to every key of its request, the latent rows of one KV head shared by all heads.
 
-    q: [T, H, Dqk] (Dqk = 576 = 512 latent + 64 rope); kv_cache: [num_blocks, block_size, Dqk];
+    q: [T, H, Dqk] (Dqk = 576 = 512 latent + 64 rope); kv_cache: [num_blocks, block_size, Dqk], or an FP8 latent
+    cache uint8[num_blocks, block_size, fp8_latent_width] (:func:`quantize_latent`), read as its dequantised rows;
     block_tables: i32[B, max_blocks]; seq_lens: i32[B] (every key, the new tokens included, already in the cache);
     cu_query_lens: i32[B + 1], or None meaning token t is the single query of request t (T == B: decode).
 
@@ -569,6 +624,8 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, cu_query_lens=None, *, ma
     """
     del max_query_len, num_splits, split_size, interpret
     q, kv_cache = jnp.asarray(q), jnp.asarray(kv_cache)
+    if kv_cache.dtype == jnp.uint8:  # an FP8 latent cache: attention over its dequantised rows
+        kv_cache = dequantize_latent(kv_cache, kv_lora_rank)
     if q.ndim != 3 or kv_cache.ndim != 3 or q.shape[-1] != kv_cache.shape[-1]:
         raise ValueError(f"q must be [T, H, Dqk] and kv_cache [num_blocks, block_size, Dqk] with one Dqk; got "
                          f"{q.shape} and {kv_cache.shape}")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_attn import MLAConfig, checked, mla_attention, reference
+from pallas_attn import MLAConfig, checked, mla_attention, quantize_latent, reference, sparse_mla_attention
 from pallas_attn.checks import CheckError
 from pallas_attn.testing import assert_attention_close, make_paged_kv
 
@@ -21,11 +21,14 @@ def _cu(q_lens):
     return jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), I32)
 
 
-def _check(rng, seq_lens, q_lens, heads, dqk, dv, bs, dtype, *, sinks=None, pad=2, **kwargs):
+def _check(rng, seq_lens, q_lens, heads, dqk, dv, bs, dtype, *, sinks=None, pad=2, fp8=False, **kwargs):
     """Random queries over a cache with NaN in every slot no request owns and garbage past each table row; with
     ``q_lens`` (new tokens per request, else decode) ``pad`` padding rows with NaN queries. Output and LSE against
-    the reference; padding rows must be zeros and -inf."""
+    the reference; padding rows must be zeros and -inf. ``fp8``: the cache quantised to FP8 latent rows (NaN rows
+    stay NaN bytes)."""
     kv, _, bt = make_paged_kv(rng, seq_lens, bs, None, dqk, dtype)
+    if fp8:
+        kv = quantize_latent(kv, dv)
     sl = jnp.asarray(seq_lens, I32)
     if q_lens is None:
         pad, cu, n = 0, None, len(seq_lens)
@@ -203,6 +206,109 @@ def test_bad_input_raises(change, error, match):
         mla_attention(args["q"], args["kv"], args["bt"], args["seq_lens"], args["cu"],
                       max_query_len=args["max_query_len"], kv_lora_rank=args["rank"], sinks=args["sinks"],
                       split_size=args["split_size"], config=SMALL)
+
+
+# ------------------------------------------------------------------- the FP8 latent cache (FlashMLA's layout)
+FP8_CASES = {  # (seq_lens, new tokens per request or None, heads, block_size)
+    "decode": ([40, 100, 16, 0, 1], None, 16, 16),
+    "mtp_pages_48": ([70, 129, 5], [2, 2, 2], 16, 48),
+    "verify_pages_64": ([300, 33, 0], [3, 1, 0], 8, 64),
+}
+
+
+@pytest.mark.parametrize("name", FP8_CASES)
+@pytest.mark.parametrize("split", [dict(num_splits=1), dict(num_splits=3)])
+def test_fp8_latent_matches_reference(name, split, rng):
+    """The kernel over an FP8 latent cache against the reference over its dequantised rows."""
+    seq_lens, q_lens, heads, block_size = FP8_CASES[name]
+    _check(rng, seq_lens, q_lens, heads, 576, 512, block_size, jnp.bfloat16, fp8=True, **split)
+
+
+def test_fp8_latent_sinks_and_float16_queries(rng):
+    sinks = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    _check(rng, [65, 3], [1, 2], 8, 576, 512, 16, jnp.float16, fp8=True, sinks=sinks)
+
+
+def test_quantize_latent_is_the_reference_and_saturates(rng):
+    """Byte for byte the reference's rows; finite input never stores inf or NaN, a NaN stays NaN, zeros stay zeros,
+    and the dequantised rows are within e4m3's rounding of the input."""
+    x = rng.standard_normal((3, 7, 576)).astype(np.float32) * 10
+    x[0, 0] = 0.0
+    x[1, 2, 5] = 3e38  # its group's scale takes it; the group's small values round to 0
+    x[2, 3, 7] = np.nan
+    got = np.asarray(quantize_latent(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(reference.quantize_latent(x)))
+    assert got.shape == (3, 7, 656) and got.dtype == np.uint8
+    back = np.asarray(reference.dequantize_latent(got))
+    assert np.all(back[0, 0] == 0)
+    assert np.isnan(back[2, 3, :128]).any() and np.isfinite(np.delete(back.reshape(21, 576), 17, axis=0)).all()
+    normal = np.ones((3, 7), bool)
+    normal[0, 0] = normal[1, 2] = normal[2, 3] = False
+    err = np.linalg.norm(back[normal] - x[normal]) / np.linalg.norm(x[normal])
+    assert err < 0.04, err  # e4m3: 3 mantissa bits, a scale per 128 values
+    np.testing.assert_array_equal(back[normal][:, 512:], x[normal][:, 512:].astype(jnp.bfloat16).astype(np.float32))
+
+
+def test_fp8_latent_accuracy_against_bf16(rng):
+    """What FP8 costs against the bf16 cache: random rows, and a needle key whose score dominates one request of
+    2,048 keys: its attention weight (from the LSE) within 5% of the bf16 cache's."""
+    kv, _, bt = make_paged_kv(rng, [300, 2048], 64, None, 576, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((2, 16, 576)), jnp.bfloat16)
+    sl = jnp.asarray([300, 2048], I32)
+    run = lambda cache, q: mla_attention(q, cache, bt, sl, return_lse=True)  # noqa: E731
+    out16, _ = run(kv, q)
+    out8, _ = run(quantize_latent(kv), q)
+    rel = float(jnp.linalg.norm((out8 - out16).astype(jnp.float32)) / jnp.linalg.norm(out16.astype(jnp.float32)))
+    assert rel < 0.06, rel
+    # the needle: key 1234 of request 1; every head's query points along it
+    needle = np.asarray(bt)[1, 1234 // 64] * 64 + 1234 % 64
+    rows = kv.reshape(-1, 576)
+    q = jnp.broadcast_to(0.5 * rows[needle].astype(jnp.float32), (2, 16, 576)).astype(jnp.bfloat16)
+    weights = []
+    for cache, read in ((kv, rows), (quantize_latent(kv), reference.dequantize_latent(quantize_latent(rows)))):
+        _, lse = run(cache, q)
+        score = jnp.dot(q[1].astype(jnp.float32), read[needle].astype(jnp.float32)) / 24.0  # 1 / sqrt(576)
+        weights.append(np.asarray(jnp.exp(score - lse[1])))
+    assert np.all(weights[0] > 0.5)  # the needle dominates
+    np.testing.assert_allclose(weights[1], weights[0], rtol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [([4096, 8000, 1, 65, 0], None, 16, 64), ([3000, 2, 129], [2, 2, 1], 128, 64),
+                                  ([700, 40], [1, 3], 16, 16)])
+def test_fp8_latent_compiled(case, rng):
+    seq_lens, q_lens, heads, block_size = case
+    _check(rng, seq_lens, q_lens, heads, 576, 512, block_size, jnp.bfloat16, fp8=True)
+
+
+@pytest.mark.parametrize("kv, rank, error, match", [
+    (jnp.ones((4, 16, 600), jnp.uint8), 512, ValueError, r"must be uint8\[num_blocks, block_size, 656\]"),
+    (jnp.ones((4, 16, 600), jnp.uint8), 64, ValueError, "kv_lora_rank a multiple of 128"),
+    (jnp.ones((4, 16, 576), jnp.float8_e4m3fn), 512, TypeError, "FlashMLA's layout"),
+    (jnp.ones((4, 16, 656), jnp.uint8), 512, TypeError, "an FP8 latent cache takes bf16 / fp16 queries"),
+])
+def test_fp8_latent_bad_input_raises(kv, rank, error, match):
+    q = jnp.ones((2, 4, 576), jnp.float32 if "queries" in match else jnp.bfloat16)
+    with pytest.raises(error, match=match):
+        mla_attention(q, kv, jnp.zeros((2, 2), I32), jnp.array([3, 5], I32), kv_lora_rank=rank)
+
+
+def test_fp8_latent_is_for_dense_mla_on_triton():
+    """The sparse function and the Mosaic kernel do not read FP8 latent caches: named errors; the default backend
+    picks the Triton kernel for them."""
+    from pallas_attn.core import backend
+    from pallas_attn.ops import mla
+
+    q, kv = jnp.ones((2, 64, 576), jnp.bfloat16), jnp.ones((4, 16, 656), jnp.uint8)
+    bt, sl = jnp.zeros((2, 2), I32), jnp.array([3, 5], I32)
+    with pytest.raises(TypeError, match="mla_attention reads FP8 ones"):
+        sparse_mla_attention(q, kv, bt, jnp.zeros((2, 64), I32), seq_lens=sl)
+    with pytest.raises(ValueError, match="backend='mosaic' does not support an FP8 latent cache"):
+        mla_attention(q, kv, bt, sl, backend="mosaic", interpret=False)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(backend, "is_hopper", lambda: True)
+        assert mla.default_backend(q, 512, False, kv) == "triton"
+        assert mla.default_backend(q, 512, False, jnp.ones((4, 16, 576), jnp.bfloat16)) == "mosaic"
 
 
 @pytest.mark.gpu

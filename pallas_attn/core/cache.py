@@ -42,6 +42,34 @@ def _quantize(x, scale, dtype):
     return jnp.clip(x.astype(jnp.float32) / scale, -finite, finite).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank",))
+def quantize_latent(latent, kv_lora_rank: int = 512) -> jax.Array:
+    """MLA latent rows as an FP8 latent cache stores them (FlashMLA's layout; ``mla_attention`` reads it).
+
+    Args:
+      latent: ``[..., kv_lora_rank + rope_dim]`` float latent rows (DeepSeek: 512 + 64), e.g. the new tokens'.
+      kv_lora_rank: a multiple of 128.
+
+    Returns:
+      ``uint8[..., kv_lora_rank + 4 * kv_lora_rank / 128 + 2 * rope_dim]`` (656 bytes for DeepSeek's rows, against
+      1,152 in bf16): ``kv_lora_rank`` float8_e4m3fn values ``x / scale_g``, one float32 ``scale_g = max |x| / 448``
+      per 128 of them (1 for a group of zeros), the rope dims in bfloat16. A finite row never stores inf or NaN.
+      Write rows into the cache ``uint8[num_blocks, block_size, 656]`` at their slots as any latent row
+      (``cache.reshape(-1, 656).at[slot_mapping].set(rows)``). The definition:
+      :func:`pallas_attn.reference.quantize_latent`.
+    """
+    x = jnp.asarray(latent).astype(jnp.float32)
+    validation.check_fp8_latent_rank(kv_lora_rank, x.shape[-1])
+    lead, groups = x.shape[:-1], kv_lora_rank // validation.FP8_LATENT_GROUP
+    nope = x[..., :kv_lora_rank].reshape(*lead, groups, validation.FP8_LATENT_GROUP)
+    amax = jnp.max(jnp.abs(nope), axis=-1)
+    finite = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    scale = jnp.where(amax > 0, amax / finite, 1.0)
+    parts = (jnp.clip(nope / scale[..., None], -finite, finite).astype(jnp.float8_e4m3fn), scale,
+             x[..., kv_lora_rank:].astype(jnp.bfloat16))
+    return jnp.concatenate([jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(*lead, -1) for p in parts], axis=-1)
+
+
 def allocate_kv_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.bfloat16
 ) -> tuple[jax.Array, jax.Array]:

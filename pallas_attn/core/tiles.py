@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_attn.core import config as config_lib, masks, softmax
+from pallas_attn.core import config as config_lib, masks, softmax, validation
 from pallas_attn.core.backend import pallas_triton as plgpu  # None without the backend: the ops say so
 
 MIN_DOT_ROWS = 16  # tensor-core dots want M >= 16: GQA groups / short query blocks are padded up to this many rows
@@ -68,6 +68,37 @@ def load_latent(ref, rows, cols: tuple[Cols, Cols | None], row_mask=None):
     """``([R, kv_lora_rank], [R, rope] | None)``: the latent and rope parts of MLA rows (:func:`latent_cols`)."""
     latent, rope = cols
     return load_rows(ref, rows, latent, row_mask), (load_rows(ref, rows, rope, row_mask) if rope else None)
+
+
+def load_fp8_latent(ref, rows, kv_lora_rank: int, rope_dim: int, dtype, row_mask=None):
+    """FP8 latent rows (``uint8``, FlashMLA's layout: :func:`pallas_attn.quantize_latent`) as the dots take them:
+    ``(values, scales, rope)``. ``values``: a ``[R, 128]`` tile per scale group, the e4m3 values widened to
+    ``dtype`` (exact: every e4m3 value is a bf16 and an fp16); ``scales``: each group's ``f32[R]``, applied to the
+    products, never to the values (:func:`pallas_attn.core.softmax.scaled_pv`); ``rope [R, rope] | None`` in
+    ``dtype``. Masked rows read as 0."""
+    group = validation.FP8_LATENT_GROUP
+    values, scales = [], []
+    for g in range(kv_lora_rank // group):
+        raw = load_rows(ref, rows, Cols(group, group, offset=g * group), row_mask)
+        values.append(jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn).astype(dtype))
+        # the scale's four bytes, each shifted into place: disjoint bits, so their sum is the word
+        word = load_rows(ref, rows, Cols(4, 4, offset=kv_lora_rank + 4 * g), row_mask).astype(jnp.int32)
+        word = jnp.sum(jax.lax.shift_left(word, 8 * jnp.arange(4)[None, :]), axis=1)
+        scales.append(jax.lax.bitcast_convert_type(word, jnp.float32))
+    if not rope_dim:
+        return tuple(values), tuple(scales), None
+    padded = config_lib.next_pow2(rope_dim)
+    col = jnp.arange(padded)
+    mask = (col < rope_dim)[None, :]
+    mask = mask if row_mask is None else row_mask[:, None] & mask
+    first = kv_lora_rank + 4 * len(values) + 2 * col
+
+    def half(offset):  # the low (0) or high (1) byte of each bf16 rope value, as int32
+        return plgpu.load(ref.at[rows[:, None], (first + offset)[None, :]], mask=mask,
+                          other=jnp.zeros((), ref.dtype)).astype(jnp.int32)
+
+    bits = (half(0) | jax.lax.shift_left(half(1), 8)).astype(jnp.uint16)
+    return tuple(values), tuple(scales), jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(dtype)
 
 
 def store_parts(ref, rows, cols, value, row_mask=None):

@@ -189,21 +189,58 @@ SCALE_WANT = ("a float scalar (shape []: per tensor) or float32[num_blocks, bloc
               "and head)")
 
 
-def check_latent_cache(q, kv_cache, block_tables, kv_lora_rank: int) -> None:
+FP8_LATENT_GROUP = 128  # latent values per float32 scale in an FP8 latent row (FlashMLA's layout)
+
+
+def fp8_latent_width(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of an FP8 latent row: e4m3 values, a float32 scale per 128 of them, bf16 rope dims (DeepSeek: 656)."""
+    return kv_lora_rank + 4 * (kv_lora_rank // FP8_LATENT_GROUP) + 2 * rope_dim
+
+
+def check_fp8_latent_rank(kv_lora_rank: int, dim: int) -> None:
+    if kv_lora_rank % FP8_LATENT_GROUP or not 0 < kv_lora_rank <= dim:
+        raise ValueError(f"an FP8 latent cache needs kv_lora_rank a multiple of {FP8_LATENT_GROUP} in (0, {dim}] "
+                         f"(a float32 scale per {FP8_LATENT_GROUP} values); got {kv_lora_rank}")
+
+
+def is_fp8_latent(kv_cache) -> bool:
+    """An FP8 latent cache (:func:`pallas_attn.quantize_latent`): uint8 bytes, FlashMLA's layout."""
+    return kv_cache.dtype == jnp.uint8
+
+
+def check_latent_cache(q, kv_cache, block_tables, kv_lora_rank: int, *, fp8: bool = False) -> None:
     """The MLA arguments (dense and sparse): absorbed queries ``[T, H, Dqk]`` over one shared latent head per
-    position ``[num_blocks, block_size, Dqk]``, values the first ``kv_lora_rank`` dims, an ``i32`` block table."""
+    position ``[num_blocks, block_size, Dqk]``, values the first ``kv_lora_rank`` dims, an ``i32`` block table.
+    ``fp8``: the caller also reads FP8 latent caches, ``uint8[num_blocks, block_size, fp8_latent_width]``."""
     check_rank("q", q, 3, "[num_tokens, num_heads, kv_lora_rank + rope_dim]")
     check_rank("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
     check_float("q", q)
-    if jnp.issubdtype(kv_cache.dtype, jnp.floating) and jnp.finfo(kv_cache.dtype).bits == 8:
-        raise TypeError(f"kv_cache is {kv_cache.dtype}: the MLA kernels read bf16 / fp16 / f32 latent caches only "
-                        f"(an FP8 latent cache is not supported)")
-    check_same_dtype(("q", "kv_cache"), q, kv_cache)
-    if kv_cache.shape[2] != q.shape[2]:
-        raise ValueError(f"kv_cache must be [num_blocks, block_size, {q.shape[2]}] (q's dim); "
-                         f"got {tuple(kv_cache.shape)}")
-    if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
-        raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
+    fp8_layout = ("a uint8 [num_blocks, block_size, kv_lora_rank + 4 * kv_lora_rank / 128 + 2 * rope_dim] array of "
+                  "FlashMLA's layout (pallas_attn.quantize_latent)")
+    if is_fp8_latent(kv_cache):
+        if not fp8:
+            raise TypeError("kv_cache is uint8 (an FP8 latent cache): this function reads bf16 / fp16 / f32 latent "
+                            "caches only; mla_attention reads FP8 ones")
+        if q.dtype not in (jnp.bfloat16, jnp.float16):
+            raise TypeError(f"q is {q.dtype}: an FP8 latent cache takes bf16 / fp16 queries (its e4m3 values meet "
+                            f"them in that dtype)")
+        if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
+            raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
+        check_fp8_latent_rank(kv_lora_rank, q.shape[2])
+        width = fp8_latent_width(kv_lora_rank, q.shape[2] - kv_lora_rank)
+        if kv_cache.shape[2] != width:
+            raise ValueError(f"an FP8 latent kv_cache for q's {q.shape[2]} dims and {kv_lora_rank=} must be "
+                             f"uint8[num_blocks, block_size, {width}]; got {tuple(kv_cache.shape)}")
+    else:
+        if jnp.issubdtype(kv_cache.dtype, jnp.floating) and jnp.finfo(kv_cache.dtype).bits == 8:
+            raise TypeError(f"kv_cache is {kv_cache.dtype}: the MLA kernels read bf16 / fp16 / f32 latent caches; an "
+                            f"FP8 latent cache (mla_attention) is {fp8_layout}")
+        check_same_dtype(("q", "kv_cache"), q, kv_cache)
+        if kv_cache.shape[2] != q.shape[2]:
+            raise ValueError(f"kv_cache must be [num_blocks, block_size, {q.shape[2]}] (q's dim); "
+                             f"got {tuple(kv_cache.shape)}")
+        if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
+            raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
     check_block_size(kv_cache.shape[1])
     check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
     check_int32("block_tables", block_tables)

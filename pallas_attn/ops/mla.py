@@ -24,7 +24,7 @@ _OPTIONAL_BOOL = functools.partial(validation.check_static_bool, optional=True)
 
 
 def _validate(q, kv_cache, block_tables, seq_lens, cu_query_lens, kv_lora_rank, max_query_len):
-    validation.check_latent_cache(q, kv_cache, block_tables, kv_lora_rank)
+    validation.check_latent_cache(q, kv_cache, block_tables, kv_lora_rank, fp8=True)
     num_seqs = block_tables.shape[0]
     validation.check_int32("seq_lens", seq_lens)
     validation.check_shape("seq_lens", seq_lens, (num_seqs,), "i32[num_seqs] with num_seqs = block_tables.shape[0]")
@@ -40,13 +40,23 @@ def _validate(q, kv_cache, block_tables, seq_lens, cu_query_lens, kv_lora_rank, 
         raise ValueError(f"{max_query_len=} must be >= 1 (a static bound on the new tokens of a request)")
 
 
-def default_backend(q, kv_lora_rank: int, interpret: bool) -> str:
+def _mosaic_unsupported(q, kv_cache, kv_lora_rank: int) -> str | None:
+    """Why the Mosaic kernel does not apply, or None."""
+    if validation.is_fp8_latent(kv_cache):
+        return "an FP8 latent cache"
+    return mosaic_mla.supported(q, kv_lora_rank)
+
+
+def default_backend(q, kv_lora_rank: int, interpret: bool, kv_cache=None) -> str:
     """``mla_attention``'s ``backend=None``: "mosaic" on a compiled Hopper GPU wherever its kernel applies (faster on
     L1, L2 and every cell of the ``mla-shapes`` grid but one, a launch-bound cell where the two are within their
-    rounds' spread: docs/performance.md#dense-mla-default-backend), else "triton"."""
+    rounds' spread: docs/performance.md#dense-mla-default-backend), else "triton" (an FP8 latent cache among
+    them)."""
     if interpret or not backend_lib.is_hopper():
         return "triton"
-    return "mosaic" if mosaic_mla.supported(q, kv_lora_rank) is None else "triton"
+    reason = (mosaic_mla.supported(q, kv_lora_rank) if kv_cache is None
+              else _mosaic_unsupported(q, kv_cache, kv_lora_rank))
+    return "mosaic" if reason is None else "triton"
 
 
 def _token_keys(cu_query_lens, seq_lens, token_req, capacity: int):
@@ -81,7 +91,9 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, cu_query_lens=None, *, ma
         bfloat16 (float16 / float32 also run).
       kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope_dim]``, one shared latent row per position, in q's
         dtype; keys are the rows' full dims, values their first ``kv_lora_rank``. The new tokens' rows are already
-        written. Block sizes as :func:`pallas_attn.paged_decode_attention` (64 is FlashMLA's).
+        written. Block sizes as :func:`pallas_attn.paged_decode_attention` (64 is FlashMLA's). Or an FP8 latent
+        cache, ``uint8[num_blocks, block_size, 656]`` for DeepSeek's rows (FlashMLA's layout, rows written by
+        :func:`pallas_attn.quantize_latent`), dequantised to q's dtype in the kernel (the Triton kernel only).
       block_tables: ``i32[num_seqs, max_blocks]``; entries past a request's last page are never read, and a page
         id outside ``[0, num_blocks)`` is never dereferenced (its keys are masked).
       seq_lens: ``i32[num_seqs]`` keys of each request, its new tokens included (clamped to the table's capacity).
@@ -125,8 +137,8 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, cu_query_lens=None, *, ma
         return common.no_rows(num_tokens, num_heads, kv_lora_rank, q.dtype, return_lse)
     interpret = backend_lib.resolve_interpret(interpret)
     backend = backend_lib.select_backend(
-        backend, config=config, default=lambda: default_backend(q, kv_lora_rank, interpret),
-        mosaic_unsupported=lambda: "interpret mode" if interpret else mosaic_mla.supported(q, kv_lora_rank),
+        backend, config=config, default=lambda: default_backend(q, kv_lora_rank, interpret, kv_cache),
+        mosaic_unsupported=lambda: "interpret mode" if interpret else _mosaic_unsupported(q, kv_cache, kv_lora_rank),
         function="mla_attention")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     decode = cu_query_lens is None

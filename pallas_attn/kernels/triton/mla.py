@@ -19,6 +19,12 @@ its loop, and split-KV segments (``num_splits`` / ``split_size``) are merged by
 :func:`pallas_attn.merge_attention_states`. Attention sinks join an unsplit program's denominator in the kernel and
 a split one's in the merge.
 
+An FP8 latent cache (``uint8`` rows of FlashMLA's layout: 512 e4m3 values, a float32 scale per 128 of them, 64
+bf16 rope values; :func:`pallas_attn.quantize_latent`) is read as it is stored: the e4m3 values widen to q's dtype
+exactly, and each scale group's scale multiplies its products, never the values: ``S = Σ_g scale_g · (Q_g K_gᵀ)``
+over the 4 groups' 128 dims plus the rope dot, ``O_g += (P · scale_g) V_g`` (:func:`pallas_attn.core.softmax.
+scaled_pv`). The scores are then those of the dequantised rows up to float32 rounding.
+
 Reference: :func:`pallas_attn.reference.mla_attention`.
 """
 
@@ -30,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_attn.core import config as config_lib, masks, softmax, tiles
+from pallas_attn.core import config as config_lib, masks, softmax, tiles, validation
 from pallas_attn.core.backend import pallas_triton as plgpu  # None without the backend: the ops say so
 
 
@@ -48,7 +54,7 @@ def _mla_kernel(
     #         q's dtype), lse f32[num_splits * T * H]
     num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int, block_q: int, block_h: int, rows: int,
     max_blocks: int, block_size: int, block_n: int, num_splits: int, split_size: int | None, scale2: float,
-    has_sinks: bool, precision,
+    has_sinks: bool, precision, fp8: bool,
 ):
     sinks_ref = refs[0] if has_sinks else None
     o_ref, lse_ref = refs[-2:]
@@ -59,8 +65,18 @@ def _mla_kernel(
     head_valid = (head < num_heads) & (tok_in_block < block_q)  # rows past block_q × block_h pad a 16-row dot
     req = block_req_ref[p]
     parts = tiles.latent_cols(kv_lora_rank, rope_dim)  # (latent, rope) column groups of a row
-    latent = parts[0]  # the output's columns
+    # The latent dims in groups: one, or an FP8 cache's scale groups (each group's scale meets its products)
+    groups = kv_lora_rank // validation.FP8_LATENT_GROUP if fp8 else 1
+    width = kv_lora_rank // groups
+    group_cols = tuple(tiles.Cols(width, width, offset=g * width) for g in range(groups))
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+
+    def load_kv(slot, mask):
+        """``(latent groups [N, width] in q's dtype, their scales f32[N] or None, rope [N, rope] | None)``."""
+        if fp8:
+            return tiles.load_fp8_latent(kv_ref, slot, kv_lora_rank, rope_dim, q_ref.dtype, mask)
+        k_nope, k_pe = tiles.load_latent(kv_ref, slot, parts, mask)
+        return (k_nope,), (None,), k_pe
 
     @pl.when(req >= 0)
     def _attend():
@@ -70,7 +86,8 @@ def _mla_kernel(
         row_valid = (tok < q_len) & head_valid
         # Masked rows get distinct out-of-range indices (see tiles.store_rows).
         q_rows = jnp.where(row_valid, (q_start + tok) * num_heads + head, num_tokens * num_heads + r)
-        q_nope, q_pe = tiles.load_latent(q_ref, q_rows, parts, row_valid)  # [M, Dv], [M, rope]
+        q_nope = tuple(tiles.load_rows(q_ref, q_rows, c, row_valid) for c in group_cols)  # [M, width] each
+        q_pe = tiles.load_rows(q_ref, q_rows, parts[1], row_valid) if rope_dim else None  # [M, rope]
         q_pos = context + tok  # absolute positions: a full rectangle plus the new tokens' triangle
         q_last = context + jnp.minimum(first + block_q, q_len) - 1
         num_pages = kv_ref.shape[0] // block_size
@@ -79,37 +96,49 @@ def _mla_kernel(
             context + first, q_last, seq_len, block_n, split, num_splits, split_size, masks.NO_MODS,
             guarded=tiles.page_guard(block_tables_ref, req * max_blocks, block_size, num_pages, max_blocks))
 
-        def scores(k_nope, k_pe):  # [M, N] base 2
-            s = dot(q_nope, k_nope.T)
+        def scores(k_nope, k_scales, k_pe):  # [M, N] base 2
+            s = None
+            for q_g, k_g, scale_g in zip(q_nope, k_nope, k_scales):
+                s_g = dot(q_g, k_g.T)
+                s_g = s_g if scale_g is None else s_g * scale_g[None, :]
+                s = s_g if s is None else s + s_g
             if rope_dim:
                 s = s + dot(q_pe, k_pe.T)
             return s * scale2
+
+        def fold(state, s2, k_nope, k_scales):  # the tile's softmax and P · V, one accumulator per group
+            if not fp8:
+                return softmax.online_softmax_step(state, s2, k_nope[0], dot)
+            acc, m, l = state
+            m, alpha, p, l = softmax.softmax_update(m, l, s2)
+            return tuple(alpha[:, None] * a + softmax.scaled_pv(p, v_g, dot, scale_g)
+                         for a, v_g, scale_g in zip(acc, k_nope, k_scales)), m, l
 
         def step(j, state, masked):
             k_pos = j * block_n + jnp.arange(block_n)  # [N]
             if not masked:  # pages vouched for by the program's check: no guard, no mask
                 slot, _ = tiles.paged_rows(block_tables_ref, req * max_blocks, k_pos, block_size, 1, 0, num_pages,
                                            guard=False)
-                k_nope, k_pe = tiles.load_latent(kv_ref, slot, parts, None)
-                return softmax.online_softmax_step(state, scores(k_nope, k_pe), k_nope, dot)
+                k_nope, k_scales, k_pe = load_kv(slot, None)
+                return fold(state, scores(k_nope, k_scales, k_pe), k_nope, k_scales)
             k_valid = k_pos < seq_len
             slot, page_ok = tiles.paged_rows(block_tables_ref, req * max_blocks, k_pos, block_size, 1, 0, num_pages,
                                              k_valid)
             ok = k_valid & page_ok
-            k_nope, k_pe = tiles.load_latent(kv_ref, slot, parts, ok)  # masked keys read as 0: V stays finite
+            k_nope, k_scales, k_pe = load_kv(slot, ok)  # masked keys read as 0: V stays finite
             # A key past the request or on a page outside the pool moves past every query: one [M, N] compare is
             # the whole causal, length and page mask.
             visible = jnp.where(ok, k_pos, jnp.iinfo(jnp.int32).max)[None, :] <= q_pos[:, None]
-            return softmax.online_softmax_step(state, jnp.where(visible, scores(k_nope, k_pe), -jnp.inf), k_nope,
-                                               dot)
+            return fold(state, jnp.where(visible, scores(k_nope, k_scales, k_pe), -jnp.inf), k_nope, k_scales)
 
-        state = softmax.kv_loop(softmax.init_state(rows, kv_lora_rank), tile_start, full_end, kv_end, step)
+        state = softmax.kv_loop(softmax.init_state(rows, width, groups), tile_start, full_end, kv_end, step)
         # [M]: the rows' sinks in base 2; split partials leave the sink to their merge
         sink2 = (tiles.load_vector(sinks_ref, head, row_valid) * softmax.LOG2E
                  if has_sinks and num_splits == 1 else None)
         out, lse = softmax.finalize(state, sink2)  # no key (an empty split, context 0): zeros and -inf
         out_rows = split * num_tokens * num_heads + q_rows
-        tiles.store_rows(o_ref, out_rows, latent, out, row_valid)
+        for cols, out_g in zip(group_cols, out if fp8 else (out,)):
+            tiles.store_rows(o_ref, out_rows, cols, out_g, row_valid)
         tiles.store_vector(lse_ref, out_rows, lse, row_valid)
 
 
@@ -122,8 +151,9 @@ def mla_triton(q, kv_cache, block_tables, seq_lens, cu_query_lens, block_req, bl
     validated by :func:`pallas_attn.ops.mla.mla_attention`; ``cu_query_lens`` clamped, ``(block_req, block_first)``
     from :func:`pallas_attn.kernels.triton.paged.query_blocks`, ``sinks`` ``f32[H]`` or None."""
     num_tokens, num_heads, dim_qk = q.shape
-    num_blocks, block_size, _ = kv_cache.shape
+    num_blocks, block_size, row_width = kv_cache.shape  # an FP8 latent cache's rows are its bytes
     num_seqs, max_blocks = block_tables.shape
+    fp8 = validation.is_fp8_latent(kv_cache)
     block_h = min(cfg.block_h, config_lib.next_pow2(num_heads))
     rows = max(tiles.MIN_DOT_ROWS, block_q * block_h)
     num_q_blocks = block_req.shape[0]
@@ -133,7 +163,7 @@ def mla_triton(q, kv_cache, block_tables, seq_lens, cu_query_lens, block_req, bl
         rope_dim=dim_qk - kv_lora_rank, block_q=block_q, block_h=block_h, rows=rows, max_blocks=max_blocks,
         block_size=block_size, block_n=cfg.block_n, num_splits=num_splits, split_size=split_size,
         scale2=scale * softmax.LOG2E, has_sinks=sinks is not None and num_splits == 1,
-        precision=tiles.dot_precision(q.dtype))
+        precision=tiles.dot_precision(q.dtype), fp8=fp8)
     features = [sinks.astype(jnp.float32)] if sinks is not None and num_splits == 1 else []
     vec = lambda n: pl.BlockSpec((n,), lambda *_: (0,))  # noqa: E731
     mat = lambda n, d: pl.BlockSpec((n, d), lambda *_: (0, 0))  # noqa: E731
@@ -141,13 +171,14 @@ def mla_triton(q, kv_cache, block_tables, seq_lens, cu_query_lens, block_req, bl
         kernel,
         grid=(num_q_blocks, pl.cdiv(num_heads, block_h), num_splits),
         in_specs=[vec(num_q_blocks), vec(num_q_blocks), vec(num_seqs + 1), vec(num_seqs), vec(num_seqs * max_blocks),
-                  mat(num_tokens * num_heads, dim_qk), mat(num_blocks * block_size, dim_qk)]
+                  mat(num_tokens * num_heads, dim_qk), mat(num_blocks * block_size, row_width)]
                  + [vec(num_heads)] * len(features),
         out_specs=[mat(out_rows, kv_lora_rank), vec(out_rows)],
         out_shape=[jax.ShapeDtypeStruct((out_rows, kv_lora_rank), jnp.float32 if num_splits > 1 else q.dtype),
                    jax.ShapeDtypeStruct((out_rows,), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"mla_d{dim_qk}_v{kv_lora_rank}_bs{block_size}_q{block_q}" + ("_split" if num_splits > 1 else ""),
+        name=f"mla_d{dim_qk}_v{kv_lora_rank}_bs{block_size}_q{block_q}" + ("_fp8" if fp8 else "")
+             + ("_split" if num_splits > 1 else ""),
     )(block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1), q.reshape(-1, dim_qk),
-      kv_cache.reshape(-1, dim_qk), *features)
+      kv_cache.reshape(-1, row_width), *features)
