@@ -93,7 +93,7 @@ def mla_attention(q, kv_cache, block_tables, seq_lens, cu_query_lens=None, *, ma
         dtype; keys are the rows' full dims, values their first ``kv_lora_rank``. The new tokens' rows are already
         written. Block sizes as :func:`pallas_attn.paged_decode_attention` (64 is FlashMLA's). Or an FP8 latent
         cache, ``uint8[num_blocks, block_size, 656]`` for DeepSeek's rows (FlashMLA's layout, rows written by
-        :func:`pallas_attn.quantize_latent`), dequantised to q's dtype in the kernel (the Triton kernel only).
+        :func:`pallas_attn.quantize_latent`), read as stored by the Triton kernel only (bf16 / fp16 queries).
       block_tables: ``i32[num_seqs, max_blocks]``; entries past a request's last page are never read, and a page
         id outside ``[0, num_blocks)`` is never dereferenced (its keys are masked).
       seq_lens: ``i32[num_seqs]`` keys of each request, its new tokens included (clamped to the table's capacity).
