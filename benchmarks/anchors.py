@@ -623,7 +623,7 @@ def _ids(*ids):
 
 def _ids_or_model_cells(*ids, kind: str):
     """The standard workloads ``ids``, and the model-shaped grid's cells of ``kind`` (its causal ones: these anchors
-    attend causally; the encoder cells have the jnp floor only), so each cell has its best anchor."""
+    attend causally, so the bidirectional encoder cells have none), so each cell has its best anchor."""
     return lambda s: s.id in ids or (s.family == "models" and s.kind == kind and s.causal)
 
 

@@ -1,6 +1,7 @@
 """pallas_attn: many requests of different lengths in one launch, each seeing only its own context.
 
-Pallas GPU kernels for JAX (Triton backend; Mosaic GPU on Hopper for prefill and sparse MLA, docs/design.md#backends):
+Pallas GPU kernels for JAX (Triton, and Mosaic GPU on Hopper where it measured faster: prefill, its gradient, MLA;
+docs/design.md#backends):
 packed varlen prefill, paged decode with split-KV, ragged paged attention for mixed prefill / decode / verification
 batches, dense and top-k sparse MLA over a paged latent cache. Every function is pure, works under ``jax.jit``, runs
 compiled on a GPU and interpreted on CPU, and has a pure-jnp oracle of the same signature in

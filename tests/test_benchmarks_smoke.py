@@ -413,6 +413,24 @@ def test_model_grid(tmp_path):
     assert all(r["rel_err"] is not None and r["rel_err"] < 1e-2 for r in rows if r["impl"] == "pallas_attn")
 
 
+def test_model_grid_cells_have_their_anchors():
+    """Each cell of the model grid is run by the anchors of its kind, so it gets a ratio to the best anchor: the
+    causal prefill cells by cuDNN and JAX's Mosaic GPU attention, the decode cells by cuDNN's paged attention and
+    JAX's Pallas decode and paged kernels; the bidirectional encoder cells by none (these anchors attend
+    causally)."""
+    from benchmarks import anchors, workloads as wl
+
+    by_name = {a.name: a for a in anchors.ANCHORS}
+    for s in wl.model_grid_specs():
+        runs = {n for n, a in by_name.items() if a.applies(s) and n != "jnp"}
+        if s.kind == "decode":
+            assert runs == {"cudnn/paged", "jax_pallas_decode", "jax_pallas_paged"}, s.id
+        elif s.causal:
+            assert runs == {"cudnn", "jax_pallas_mgpu"}, s.id
+        else:
+            assert not runs, s.id
+
+
 # ------------------------------------------------------------------------------------ training steps (P1-bwd, P2-bwd)
 def test_training_steps_are_the_prefill_batches_at_three_and_a_half_forwards():
     from benchmarks import workloads as wl
