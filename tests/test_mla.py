@@ -249,6 +249,29 @@ def test_quantize_latent_is_the_reference_and_saturates(rng):
     np.testing.assert_array_equal(back[normal][:, 512:], x[normal][:, 512:].astype(jnp.bfloat16).astype(np.float32))
 
 
+def test_fp8_latent_corrupt_lengths_and_tables(rng):
+    """The corrupt-input cases of the bf16 cache over an FP8 one: lengths past the table or negative, overlapping
+    boundaries, a page id past the pool; safe mode names the first broken rule and passes a valid batch unchanged."""
+    seq_lens = [40, 20, 33]
+    kv, _, bt = make_paged_kv(rng, seq_lens, 16, None, 576, jnp.bfloat16, max_blocks=3, poison=7.0)
+    kv = quantize_latent(kv)
+    good = (jnp.asarray(bt), jnp.asarray(seq_lens, I32))
+    bt = np.asarray(bt).copy()
+    bt[2, 1] = 10**6
+    q = jnp.asarray(rng.standard_normal((6, 8, 576)), jnp.bfloat16)
+    for sl, cu in (([40, -3, 33], None), ([100, 20, 33], None), ([40, 20, 33], [0, 3, 2, 9])):
+        sl = jnp.asarray(sl, I32)
+        cu = None if cu is None else jnp.asarray(cu, I32)
+        qq = q[:3] if cu is None else q
+        out = mla_attention(qq, kv, jnp.asarray(bt), sl, cu, max_query_len=4)
+        assert_attention_close(out, reference.mla_attention(qq, kv, jnp.asarray(bt), sl, cu), dtype=jnp.bfloat16)
+        with pytest.raises(CheckError, match="mla_attention: "):
+            checked(mla_attention)(qq, kv, jnp.asarray(bt), sl, cu, max_query_len=4)
+    good = (q[:3], kv, *good)
+    np.testing.assert_array_equal(np.asarray(checked(mla_attention)(*good), np.float32),
+                                  np.asarray(mla_attention(*good), np.float32))
+
+
 def test_fp8_latent_accuracy_against_bf16(rng):
     """What FP8 costs against the bf16 cache: random rows, and a needle key whose score dominates one request of
     2,048 keys: its attention weight (from the LSE) within 5% of the bf16 cache's."""
