@@ -119,22 +119,23 @@ def online_softmax_step(state, s2, v, dot, exp2=jnp.exp2, v_scale=None):
     acc, m, l = state
     m_new, alpha, p, l = softmax_update(m, l, s2, exp2)
     parts = v if isinstance(v, tuple) else (v,)
-    products = tuple(scaled_pv(p, part, dot, v_scale) for part in parts)
+    p, top = scaled_probabilities(p, v_scale, parts[0].dtype)  # once for every part
+    products = tuple(dot(p, part) if top is None else dot(p, part) * top for part in parts)
     if isinstance(v, tuple):
         return tuple(alpha[:, None] * a + pv for a, pv in zip(acc, products)), m_new, l
     return alpha[:, None] * acc + products[0], m_new, l
 
 
-def scaled_pv(p, v, dot, v_scale=None):
-    """``p [M, N] f32 @ (v_scale[:, None] · v)`` with ``v [N, D]`` in its 16-bit dtype, the scales (``f32[N]``, or
-    None for none) folded into ``p``'s columns: each scaled by ``v_scale / 2**e``, ``2**e`` the largest scale
-    rounded up to a power of two (then in ``(0, 1]``: fp16 keeps them normal however small the scales are), and
-    the product by ``2**e`` after the dot."""
+def scaled_probabilities(p, v_scale, dtype):
+    """``(p', top)`` with ``dot(p', v) · top == p @ (v_scale[:, None] · v)`` for ``v [N, D]`` in its 16-bit
+    ``dtype``: each column of ``p [M, N]`` scaled by ``v_scale / 2**e``, ``2**e`` (``top``) the largest scale
+    rounded up to a power of two (then in ``(0, 1]``: fp16 keeps them normal however small the scales are). Without
+    scales (None): ``(p in dtype, None)``."""
     if v_scale is None:
-        return dot(p.astype(v.dtype), v)
+        return p.astype(dtype), None
     top = jnp.max(v_scale)
     top = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(top > 0, top, 1.0))))
-    return dot((p * (v_scale / top)[None, :]).astype(v.dtype), v) * top
+    return (p * (v_scale / top)[None, :]).astype(dtype), top
 
 
 def normalize(acc, l):

@@ -74,7 +74,7 @@ def load_fp8_latent(ref, rows, kv_lora_rank: int, rope_dim: int, dtype, row_mask
     """FP8 latent rows (``uint8``, FlashMLA's layout: :func:`pallas_attn.quantize_latent`) as the dots take them:
     ``(values, scales, rope)``. ``values``: a ``[R, 128]`` tile per scale group, the e4m3 values widened to
     ``dtype`` (exact: every e4m3 value is a bf16 and an fp16); ``scales``: each group's ``f32[R]``, applied to the
-    products, never to the values (:func:`pallas_attn.core.softmax.scaled_pv`); ``rope [R, rope] | None`` in
+    products, never to the values (:func:`pallas_attn.core.softmax.scaled_probabilities`); ``rope [R, rope] | None`` in
     ``dtype``. Masked rows read as 0."""
     group = validation.FP8_LATENT_GROUP
     values, scales = [], []

@@ -217,6 +217,8 @@ def check_latent_cache(q, kv_cache, block_tables, kv_lora_rank: int, *, fp8: boo
     check_float("q", q)
     fp8_layout = ("a uint8 [num_blocks, block_size, kv_lora_rank + 4 * kv_lora_rank / 128 + 2 * rope_dim] array of "
                   "FlashMLA's layout (pallas_attn.quantize_latent)")
+    if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
+        raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
     if is_fp8_latent(kv_cache):
         if not fp8:
             raise TypeError("kv_cache is uint8 (an FP8 latent cache): this function reads bf16 / fp16 / f32 latent "
@@ -224,8 +226,6 @@ def check_latent_cache(q, kv_cache, block_tables, kv_lora_rank: int, *, fp8: boo
         if q.dtype not in (jnp.bfloat16, jnp.float16):
             raise TypeError(f"q is {q.dtype}: an FP8 latent cache takes bf16 / fp16 queries (its e4m3 values meet "
                             f"them in that dtype)")
-        if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
-            raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
         check_fp8_latent_rank(kv_lora_rank, q.shape[2])
         width = fp8_latent_width(kv_lora_rank, q.shape[2] - kv_lora_rank)
         if kv_cache.shape[2] != width:
@@ -239,8 +239,6 @@ def check_latent_cache(q, kv_cache, block_tables, kv_lora_rank: int, *, fp8: boo
         if kv_cache.shape[2] != q.shape[2]:
             raise ValueError(f"kv_cache must be [num_blocks, block_size, {q.shape[2]}] (q's dim); "
                              f"got {tuple(kv_cache.shape)}")
-        if not (16 <= kv_lora_rank <= q.shape[2] and kv_lora_rank & (kv_lora_rank - 1) == 0):
-            raise ValueError(f"{kv_lora_rank=} must be a power of two >= 16 and <= q.shape[2]={q.shape[2]}")
     check_block_size(kv_cache.shape[1])
     check_rank("block_tables", block_tables, 2, "i32[num_seqs, max_blocks]")
     check_int32("block_tables", block_tables)

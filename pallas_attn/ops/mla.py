@@ -42,7 +42,7 @@ def _validate(q, kv_cache, block_tables, seq_lens, cu_query_lens, kv_lora_rank, 
 
 def _mosaic_unsupported(q, kv_cache, kv_lora_rank: int) -> str | None:
     """Why the Mosaic kernel does not apply, or None."""
-    if validation.is_fp8_latent(kv_cache):
+    if kv_cache is not None and validation.is_fp8_latent(kv_cache):
         return "an FP8 latent cache"
     return mosaic_mla.supported(q, kv_lora_rank)
 
@@ -54,9 +54,7 @@ def default_backend(q, kv_lora_rank: int, interpret: bool, kv_cache=None) -> str
     them)."""
     if interpret or not backend_lib.is_hopper():
         return "triton"
-    reason = (mosaic_mla.supported(q, kv_lora_rank) if kv_cache is None
-              else _mosaic_unsupported(q, kv_cache, kv_lora_rank))
-    return "mosaic" if reason is None else "triton"
+    return "mosaic" if _mosaic_unsupported(q, kv_cache, kv_lora_rank) is None else "triton"
 
 
 def _token_keys(cu_query_lens, seq_lens, token_req, capacity: int):

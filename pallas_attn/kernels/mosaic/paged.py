@@ -397,7 +397,7 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
-def _token_rows(cu_query_lens, cu_blocks, num_tokens: int, num_kv_heads: int, group: int, block_q: int,
+def token_rows(cu_query_lens, cu_blocks, num_tokens: int, num_kv_heads: int, group: int, block_q: int,
                 rows_pad: int):
     """``(rows i32[T, Hq], owned bool[T])``: where token ``t``, head ``h`` sits in the flattened
     ``[blocks · Hkv · rows_pad]`` output tiles, and whether a request owns token ``t`` (else a padding row)."""
@@ -544,7 +544,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
     )(block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1),
       q.reshape(num_tokens, num_kv_heads, group, head_dim), k_cache, v_cache, *extra)
 
-    rows, owned = _token_rows(cu_query_lens, cu_blocks, num_tokens, num_kv_heads, group, block_q, rows_pad)
+    rows, owned = token_rows(cu_query_lens, cu_blocks, num_tokens, num_kv_heads, group, block_q, rows_pad)
     out_dtype = pv_dtype if num_splits == 1 else jnp.float32  # partials merge in float32
     out = o_tiles.reshape(num_splits, -1, head_dim)[:, rows].astype(out_dtype)
     lse = lse_tiles.reshape(num_splits, -1)[:, rows]

@@ -51,7 +51,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
-from pallas_attn.core import backend, config as config_lib, metadata, softmax
+from pallas_attn.core import backend, metadata, softmax
+from pallas_attn.kernels.mosaic import paged as mosaic_paged
 
 BLOCK_H = 64  # heads per program: one wgmma M tile
 BLOCK_N = 64  # selected rows per shared-memory slot
@@ -472,9 +473,11 @@ def sparse_mla_mosaic(q, kv_cache, block_tables, topk_indices, token_req, token_
 
 def tokens_per_block(num_heads: int, max_query_len: int) -> int:
     """Tokens of one request a dense program takes (its query block): as many as fill the 64-row tile with all their
-    heads, no more than a request can have. Below 64 heads a multi-token step's tokens then share each latent tile
-    read (a TP-8 shard's 16 heads, 2 tokens: one read of the request's cache instead of two)."""
-    return max(1, min(BLOCK_H // num_heads, config_lib.next_pow2(max(1, max_query_len))))
+    heads, no more than a request can have, as the paged kernel packs a GQA group's tokens
+    (:func:`pallas_attn.kernels.mosaic.paged.query_block_tokens`, the latent head's group being every head). Below
+    64 heads a multi-token step's tokens then share each latent tile read (a TP-8 shard's 16 heads, 2 tokens: one
+    read of the request's cache instead of two)."""
+    return mosaic_paged.query_block_tokens(max_query_len, num_heads)
 
 
 def query_blocks(cu_query_lens, token_req, token_keys, per_block: int):
@@ -490,19 +493,17 @@ def query_blocks(cu_query_lens, token_req, token_keys, per_block: int):
     if per_block == 1:
         ntok = (token_req >= 0).astype(jnp.int32)
         return (token_req, jnp.arange(num_tokens, dtype=jnp.int32), token_keys, ntok), None
-    num_seqs = cu_query_lens.shape[0] - 1
     q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
-    # Σ cdiv(q_len, n) <= (T + S (n - 1)) / n: the lengths are clamped to the T rows
-    num_blocks = max(1, (num_tokens + num_seqs * (per_block - 1)) // per_block)
+    num_blocks = mosaic_paged.num_query_blocks(num_tokens, q_lens.shape[0], per_block)
     block_req, first, cu_blocks = metadata.segment_items((q_lens + per_block - 1) // per_block, num_blocks)
     owned, req = block_req >= 0, jnp.maximum(block_req, 0)
     token0 = cu_query_lens[req] + first * per_block
     ntok = jnp.where(owned, jnp.clip(q_lens[req] - first * per_block, 0, per_block), 0)
     last_keys = token_keys[jnp.clip(token0 + ntok - 1, 0, num_tokens - 1)]
     blocks = (block_req, jnp.where(owned, token0, 0), jnp.where(owned, last_keys, 0), ntok)
-    tok_req = jnp.maximum(token_req, 0)
-    local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_query_lens[tok_req]
-    return blocks, jnp.where(token_req >= 0, cu_blocks[tok_req] * per_block + local, 0)
+    # one latent head whose group is a token's heads, a block's rows padded to nothing: token t's slot
+    rows, _ = mosaic_paged.token_rows(cu_query_lens, cu_blocks, num_tokens, 1, 1, per_block, per_block)
+    return blocks, rows[:, 0]
 
 
 def dense_mla_mosaic(q, kv_cache, block_tables, cu_query_lens, token_req, token_keys, sinks=None, *,

@@ -23,7 +23,7 @@ An FP8 latent cache (``uint8`` rows of FlashMLA's layout: 512 e4m3 values, a flo
 bf16 rope values; :func:`pallas_attn.quantize_latent`) is read as it is stored: the e4m3 values widen to q's dtype
 exactly, and each scale group's scale multiplies its products, never the values: ``S = Σ_g scale_g · (Q_g K_gᵀ)``
 over the 4 groups' 128 dims plus the rope dot, ``O_g += (P · scale_g) V_g`` (:func:`pallas_attn.core.softmax.
-scaled_pv`). The scores are then those of the dequantised rows up to float32 rounding.
+scaled_probabilities`). The scores are then those of the dequantised rows up to float32 rounding.
 
 Reference: :func:`pallas_attn.reference.mla_attention`.
 """
@@ -111,8 +111,11 @@ def _mla_kernel(
                 return softmax.online_softmax_step(state, s2, k_nope[0], dot)
             acc, m, l = state
             m, alpha, p, l = softmax.softmax_update(m, l, s2)
-            return tuple(alpha[:, None] * a + softmax.scaled_pv(p, v_g, dot, scale_g)
-                         for a, v_g, scale_g in zip(acc, k_nope, k_scales)), m, l
+            new = []
+            for a, v_g, scale_g in zip(acc, k_nope, k_scales):
+                p_g, top = softmax.scaled_probabilities(p, scale_g, v_g.dtype)
+                new.append(alpha[:, None] * a + dot(p_g, v_g) * top)
+            return tuple(new), m, l
 
         def step(j, state, masked):
             k_pos = j * block_n + jnp.arange(block_n)  # [N]
