@@ -41,7 +41,7 @@ CONFIG_TYPES = {"triton": config_lib.PrefillConfig, "mosaic": config_lib.MosaicP
 # The default on sm_90: Mosaic from MOSAIC_MIN_SEQLEN[head_dim] on, in batches of at least MOSAIC_MIN_TOKENS rows;
 # below, its work list and K/V staging launch (10-23 µs a call) outweigh its faster tiles (at head dim 64, half the
 # matmul per softmax, it needs longer requests): docs/performance.md#prefill-backend-rule.
-MOSAIC_MIN_SEQLEN = {128: 512, 64: 2048}
+MOSAIC_MIN_SEQLEN = {128: 512, 64: 2048, 256: 512}
 MOSAIC_MIN_TOKENS = 2048
 
 
@@ -195,8 +195,8 @@ def varlen_attention(q, k, v, cu_seqlens, *, max_seqlen: int, causal: bool = Tru
         zero-padded to the next — anything else raises ``ValueError`` naming head_dim; interpreted on CPU by the
         Mosaic GPU interpreter). None: the config's backend if one is given, else :func:`default_backend` —
         Mosaic on a compiled sm_90 GPU where it applies and was measured faster (``max_seqlen >=
-        MOSAIC_MIN_SEQLEN[head_dim]``, head dims 64 and 128, and ``num_tokens >= MOSAIC_MIN_TOKENS``), else Triton
-        (every other head dim).
+        MOSAIC_MIN_SEQLEN[head_dim]``, head dims 64, 128 and 256, and ``num_tokens >= MOSAIC_MIN_TOKENS``), else
+        Triton (every other head dim).
       backward_config: the backward pass's tiles (:class:`pallas_attn.core.config.PrefillConfig`: ``block_m``
         query rows of one head, ``block_n`` keys, warps, stages); None: :func:`pallas_attn.core.config.
         default_backward_config`.
