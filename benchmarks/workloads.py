@@ -345,9 +345,9 @@ MODEL_BLOCK_SIZES = (16, 64)  # 64 on llama8b only: the page size's effect, not 
 
 def model_grid_specs(tiny: bool = False) -> list[Spec]:
     """The attention shapes real models have (:data:`MODEL_SHAPES`, :data:`ENCODER_SHAPES`): decode over batch ×
-    context (block 16; llama8b also block 64), prefill of many short, mixed and few long requests (causal), and
-    bidirectional encoder prefill. ``python -m benchmarks.run --family models``; each cell's ``ratio_to_ceiling``
-    is what counts (docs/performance.md#model-shaped-grid)."""
+    context (block 16; llama8b also block 64) and of 64 requests of mixed lengths, prefill of many short, mixed and
+    few long requests (causal), and bidirectional encoder prefill. ``python -m benchmarks.run --family models``; each
+    cell's ``ratio_to_ceiling`` is what counts (docs/performance.md#model-shaped-grid)."""
     if tiny:
         return [Spec("llama8b-decode-b2-c64-bs16", "decode", "tiny model decode", (Group((64,) * 2, 1),),
                      units=("GB/s",), family="models", **_TINY),
@@ -366,6 +366,10 @@ def model_grid_specs(tiny: bool = False) -> list[Spec]:
                     specs.append(Spec(f"{model}-decode-b{b}-c{c}-bs{bs}", "decode",
                                       f"{model} decode ({hq}/{hkv}/{d}), {b} requests at context {c}, block {bs}",
                                       (Group((c,) * b, 1),), block_size=bs, units=("GB/s",), **shape))
+        # a batch of mixed lengths (D1's draw): uniform cells have no tail for the split heuristic to balance
+        specs.append(Spec(f"{model}-decode-b64-mixed-bs16", "decode",
+                          f"{model} decode ({hq}/{hkv}/{d}), 64 requests at contexts 1k..8k, block 16",
+                          (Group(Draw(1024, 8192, 64), 1),), units=("GB/s",), **shape))
         for name, lens in MODEL_PREFILL_BATCHES.items():
             specs.append(Spec(f"{model}-prefill-{name}", "prefill",
                               f"{model} causal prefill ({hq}/{hkv}/{d}), {len(lens)} requests {min(lens)}..{max(lens)}",
