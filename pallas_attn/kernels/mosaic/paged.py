@@ -238,13 +238,16 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
         def iota(shape, dim):
             return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
+        col_layout = plgpu.Layout.WGMMA.reduce(0)
+        row_token = lax.div(plgpu.broadcasted_iota(jnp.int32, (BLOCK_M,), 0, layout=row_layout), jnp.int32(group))
+        q_row = q_first + row_token  # each row's absolute query position
+
         k_factor = None
         if fp8:  # by row: the factor of the row's token (rows past the request's tokens: its last token's)
-            token = lax.div(plgpu.broadcasted_iota(jnp.int32, (BLOCK_M,), 0, layout=row_layout), jnp.int32(group))
             k_factor = plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout)
             for i in range(block_q):
                 factor = scales_ref[q_start + jnp.minimum(first + i, q_len - 1)]
-                k_factor = jnp.where(token == i, factor, k_factor)
+                k_factor = jnp.where(row_token == i, factor, k_factor)
 
         def widen(fp8_tile, tile, row_scales=None):
             """``tile`` (16-bit, swizzled) ← the FP8 tile as stored, for wgmma (which takes no mixed operands): 32-bit
@@ -306,8 +309,11 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                 s = s * lax.broadcast_in_dim(k_factor, s.shape, [0])
                 if per_token:  # and each key's own
                     s = s * lax.broadcast_in_dim(key_scales, s.shape, [1])
-            k_pos = iota(s.shape, 1) + j * BLOCK_N
-            q_pos = q_first + lax.div(iota(s.shape, 0), jnp.int32(group))
+            # positions as a column and a row vector, broadcast where a score needs them: as two [64, 64] int
+            # tiles they held 24 more registers a thread at head dim 64 (docs/performance.md#paged-backends)
+            k_col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_N,), 0, layout=col_layout) + j * BLOCK_N
+            k_pos = lax.broadcast_in_dim(k_col, s.shape, [1])
+            q_pos = lax.broadcast_in_dim(q_row, s.shape, [0])
             if mods.softcap > 0:  # tanh.approx.f32 (approx_math)
                 s = jnp.tanh(s * (scale / mods.softcap))
             if mods.alibi:
@@ -317,7 +323,8 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                 window = mods.window(q_pos, k_pos)
                 s = jnp.where(visible if window is None else visible & window, s, -jnp.inf)
             else:  # every key is the request's and every row sees it; a page id outside the pool is still masked
-                s = jnp.where(key_ok(j, k_pos, tile_pages), s, -jnp.inf)
+                ok = lax.broadcast_in_dim(key_ok(j, k_col, tile_pages).astype(jnp.int32), s.shape, [1])
+                s = jnp.where(ok != 0, s, -jnp.inf)
             m_i, alpha, p16, l_i = softmax.softmax_update_packed(m_i, l_i, s, pv_dtype, 1, scale=exp_scale)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bar.at[slot])
