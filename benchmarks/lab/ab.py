@@ -10,11 +10,16 @@ harness (standard or family). JSON to ``$OUT/ab.json`` (``--json``).
         --only P2,P1,R64,P1-unaligned
     python -m benchmarks.lab.ab --a backend=mosaic --b backend=triton --family prefill-rule --unroll 20
     python -m benchmarks.lab.ab --b softcap=50 --only P1,D1 --unroll 5    # a model-family feature's cost
+    python -m benchmarks.lab.ab --a-tree ../base --b default --only P1-bwd   # a change against another checkout
+
+``--a-tree DIR`` imports A's ``pallas_attn`` and ``benchmarks`` from the checkout ``DIR`` (``git worktree add DIR
+REV``) in the same process, so a kernel change is timed against the code before it in the same interleaved rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -26,6 +31,34 @@ from benchmarks.lab import common
 from pallas_attn.testing import relative_l2
 
 ROUND_S = 0.08
+PACKAGES = ("pallas_attn", "benchmarks")
+
+
+@contextlib.contextmanager
+def imported_from(tree: str):
+    """Within: ``pallas_attn`` and ``benchmarks`` imported afresh from the checkout ``tree`` (yields its
+    ``benchmarks.lab.common``); after: this checkout's modules back in ``sys.modules``. Functions prepared within
+    keep the other checkout's modules (their globals), so both versions run side by side."""
+    if not tree:
+        yield common
+        return
+    ours_ = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] in PACKAGES}
+    sys.path.insert(0, tree)
+    try:
+        import pallas_attn
+        from benchmarks.lab import common as theirs
+        print(f"A: pallas_attn from {pallas_attn.__file__}", flush=True)
+        yield theirs
+    finally:
+        sys.path.remove(tree)
+        for k in [k for k in sys.modules if k.split(".")[0] in PACKAGES]:
+            del sys.modules[k]
+        sys.modules.update(ours_)
+
+
+def _difference(out, ref) -> float:
+    """Relative L2 of B's output against A's; the largest over the leaves (a training step's dq, dk, dv)."""
+    return max(float(relative_l2(o, r)) for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True))
 
 
 def main(argv=None) -> int:
@@ -37,6 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=1, help="N calls in one jitted function: GPU time a call")
     p.add_argument("--reps", type=int, default=9, help="rounds")
     p.add_argument("--json", default="ab.json", help="file name under $OUT")
+    p.add_argument("--a-tree", default="", help="import A's pallas_attn and benchmarks from this checkout")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script on a CPU)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     specs = [common.spec(i, args.tiny) for i in args.only.split(",") if i]
@@ -44,10 +78,14 @@ def main(argv=None) -> int:
     rows = []
     for s in specs:
         b = common.batch(s)
-        a_fn, b_fn = (common.prepared(b, v) for v in (args.a, args.b))
-        xa, xb = a_fn.args[0], b_fn.args[0]
+        with imported_from(args.a_tree) as a_common:
+            a_fn = a_common.prepared(b, args.a)
+            xa = a_fn.args[0]
+            jax.block_until_ready(a_fn.fn(*xa))  # traced and compiled with A's modules
+        b_fn = common.prepared(b, args.b)
+        xb = b_fn.args[0]
         # a model-family key changes what B computes: then B's output is not A's, and no difference is recorded
-        err = (float(relative_l2(b_fn.canonical(b_fn.fn(*xb)), a_fn.canonical(a_fn.fn(*xa))))
+        err = (_difference(b_fn.canonical(b_fn.fn(*xb)), a_fn.canonical(a_fn.fn(*xa)))
                if not any(map(common.has_features, (args.a, args.b))) else None)
         fns = [a_fn.fn, b_fn.fn, b_fn.fn, a_fn.fn]
         xs = [xa, xb, xb, xa]
@@ -67,7 +105,7 @@ def main(argv=None) -> int:
         print(f"{s.id}: A {metric[0]:.4g}/{metric[3]:.4g}  B {metric[1]:.4g}/{metric[2]:.4g} {unit}  "
               f"B/A {100 * (bb / a - 1):+.2f}%  (inner {inner}, rel L2 {err if err is None else f'{err:.1e}'})",
               flush=True)
-    common.write_json(args.json, dict(a=args.a, b=args.b, rows=rows))
+    common.write_json(args.json, dict(a=args.a, a_tree=args.a_tree or None, b=args.b, rows=rows))
     return 0
 
 
