@@ -42,6 +42,22 @@ def test_varlen_p1(backend, dtype, head_dim):
     assert _pallas_calls(text) >= 1
 
 
+@pytest.mark.parametrize("kw", [dict(alibi=True), dict(alibi=True, softcap=30.0, window_size=(1023, 0), sinks=True)])
+def test_varlen_mosaic_features(kw):
+    """The Hopper prefill with ALiBi (its column positions built as registers: compiled code only) and with every
+    feature at once."""
+    kw = dict(kw)
+    names = [f for f in ("alibi_slopes", "sinks") if kw.pop(f.split("_")[0], False)]
+
+    def fn(q, k, v, cu, *feats):
+        return varlen_attention(q, k, v, cu, max_seqlen=8192, return_lse=True, interpret=False, backend="mosaic",
+                                **dict(zip(names, feats)), **kw)
+
+    text = _lower(fn, S((29184, 32, 128), BF16), S((29184, 8, 128), BF16), S((29184, 8, 128), BF16), S((17,), I32),
+                  *[S((32,), jnp.float32)] * len(names))
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("batch, max_blocks", [(64, 512), (4, 8192)])  # D1 (tail-balance split), D2 (split-KV)
 def test_paged_decode(batch, max_blocks):
     fn = functools.partial(paged_decode_attention, return_lse=True, interpret=False)

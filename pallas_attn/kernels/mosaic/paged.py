@@ -60,6 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
+from pallas_attn.kernels.mosaic import columns
 
 BLOCK_M = 64  # rows of a query block (tokens × group): one wgmma M tile
 BLOCK_N = 64  # keys per K/V slot
@@ -238,7 +239,6 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
         def iota(shape, dim):
             return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
-        col_layout = plgpu.Layout.WGMMA.reduce(0)
         row_token = lax.div(plgpu.broadcasted_iota(jnp.int32, (BLOCK_M,), 0, layout=row_layout), jnp.int32(group))
         q_row = q_first + row_token  # each row's absolute query position
 
@@ -311,7 +311,7 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                     s = s * lax.broadcast_in_dim(key_scales, s.shape, [1])
             # positions as a column and a row vector, broadcast where a score needs them: as two [64, 64] int
             # tiles they held 24 more registers a thread at head dim 64 (docs/performance.md#paged-backends)
-            k_col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_N,), 0, layout=col_layout) + j * BLOCK_N
+            k_col = columns.columns(j * BLOCK_N, BLOCK_N, compiled=compiled)
             k_pos = lax.broadcast_in_dim(k_col, s.shape, [1])
             q_pos = lax.broadcast_in_dim(q_row, s.shape, [0])
             if mods.softcap > 0:  # tanh.approx.f32 (approx_math)

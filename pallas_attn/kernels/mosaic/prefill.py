@@ -80,6 +80,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
 from pallas_attn.core.backend import pallas_triton as pltriton  # the staging copy; XLA's gather without it
+from pallas_attn.kernels.mosaic import columns
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile)
 # Items (query tile, head) per program, one per compute warpgroup: three hide each one's softmax behind the other
@@ -277,6 +278,8 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
         exact_distance = max_seqlen + BLOCK_Q < softmax.SMALL_INT_LIMIT
 
         def alibi_columns(j):  # [block_kv] slope_h · (key - q0), in the layout of a score row
+            if compiled and exact_distance:  # one add of an immediate a value (columns.py)
+                return slope * columns.columns(j * block_kv - q0, block_kv, jnp.float32, compiled=True)
             key = plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
             distance = key + (j * block_kv - q0)
             distance = (softmax.small_int_to_float(distance) if exact_distance
