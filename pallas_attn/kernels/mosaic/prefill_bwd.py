@@ -19,12 +19,15 @@ written FlashAttention-3 style for the backend JAX keeps:
   them walk the key tiles the span sees: ``S = Q Kᵀ``, ``dP = dO Vᵀ``, ``dQ += dS K``.
 * each kernel has a memory warpgroup streaming the walked tiles by TMA through a ring of shared-memory slots
   (the query side's ``l2`` and ``D`` vectors with them), and ``COMPUTE_WGS`` compute warpgroups, each its own
-  chain of wgmmas and exponentials, so that one's softmax runs beside the other's matmuls. A warpgroup whose tile
-  is past the span's edge of the walk (the diagonal tile of a causal walk, a window's edge) computes it masked, to
-  zeros: one step of its walk, not a branch in it.
-* every feature of the forward: causal or not, a window (the walk is bounded by it; the mask is applied on every
-  step), soft-cap (``s'`` = scale · (1 - tanh²)), ALiBi (a constant in the score: no term in ``s'``); the sinks'
-  and a returned LSE's gradients are folded into ``L`` and ``D`` by the caller (:mod:`pallas_attn.ops.varlen`).
+  chain of wgmmas and exponentials, so that one's softmax runs beside the other's matmuls. A streamed tile that
+  none of a warpgroup's rows sees (past the diagonal of a causal walk; every tile, for a warpgroup whose tile is
+  past the request) is waited for and released without computing it.
+* masks only where a tile needs one: the diagonal tile of a causal walk, the request's last key tile (dQ), every
+  tile under a window; the other tiles run a loop without mask code. Rows past a request need none (zero rows
+  with ``L = +inf``; see the kernels).
+* every feature of the forward: causal or not, a window (the walk is bounded by it), soft-cap (``s'`` = scale ·
+  (1 - tanh²)), ALiBi (a constant in the score: no term in ``s'``); the sinks' and a returned LSE's gradients are
+  folded into ``L`` and ``D`` by the caller (:mod:`pallas_attn.ops.varlen`).
 
 Head dims 64 and 128 (:func:`supported`: the two float32 accumulators of a dK / dV warpgroup take 128 registers a
 thread at 128; 256 would not fit beside the scores), bf16 / fp16.
@@ -65,18 +68,32 @@ def supported(q) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- shared parts
-def _mask_and_scores(raw, q_pos, k_pos, seq_len, *, causal: bool, scale: float, mods: masks.ScoreMods, slope2):
-    """``(s2, ds, visible)`` of a ``raw = q·k`` tile whose element positions are ``q_pos`` / ``k_pos`` (arrays of
-    raw's shape, any orientation): base-2 scores, the derivative of the natural-log score by ``raw`` and the
-    forward's mask."""
+def _scores(raw, q_pos, k_pos, *, scale: float, mods: masks.ScoreMods, slope2):
+    """``(s2, ds)`` of a ``raw = q·k`` tile: base-2 scores and the derivative of the natural-log score by ``raw``.
+    ``q_pos`` / ``k_pos`` (arrays of raw's shape, any orientation) are read by ALiBi only."""
     s2, ds = mods.base2_with_derivative(raw, scale)
     if mods.alibi:
         s2 = s2 + slope2 * (k_pos - q_pos).astype(jnp.float32)
+    return s2, ds
+
+
+def _visible(q_pos, k_pos, seq_len, *, causal: bool, mods: masks.ScoreMods):
+    """The forward's mask on a tile whose element positions are ``q_pos`` / ``k_pos``."""
     visible = (k_pos < seq_len) & (q_pos < seq_len)
     if causal:
         visible &= k_pos <= q_pos
     window = mods.window(q_pos, k_pos)
-    return s2, ds, visible if window is None else visible & window
+    return visible if window is None else visible & window
+
+
+def _walk(lo, full_lo, full_hi, hi, step, carry):
+    """``step(t, carry, masked)`` over tiles ``[lo, hi)``: ``[full_lo, full_hi)`` unmasked, the rest masked (three
+    loops, so the unmasked one carries no mask code: no positions, compares or selects)."""
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
+    carry = lax.fori_loop(lo, full_lo, lambda t, c: step(t, c, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, lambda t, c: step(t, c, False), carry)
+    return lax.fori_loop(full_hi, hi, lambda t, c: step(t, c, True), carry)
 
 
 def _iota(shape, dim):
@@ -172,31 +189,61 @@ def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref,
         zeros = plgpu.layout_cast(jnp.zeros((BLOCK, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-        def step(i, carry):
+        def step(g, m, carry, masked: bool):
             dk, dv = carry
-            g, m = walked(i)
+            i = g * num_m + m - m_lo
             slot = lax.rem(i, jnp.int32(SLOTS))
             plgpu.barrier_wait(bars.at[slot])
             shape = (BLOCK, BLOCK)  # [keys, queries]
             st = _dot(k_tile, q_smem.at[slot].transpose((1, 0)), shape)
-            k_pos = _iota(shape, 0) + kc
-            q_pos = _iota(shape, 1) + m * BLOCK
-            slope2 = None
+            k_pos = q_pos = slope2 = None
+            if masked or mods.alibi:
+                k_pos = _iota(shape, 0) + kc
+                q_pos = _iota(shape, 1) + m * BLOCK
             if mods.alibi:
                 slope2 = slopes_ref[kv_head * group + g] * softmax.LOG2E
-            s2, ds, visible = _mask_and_scores(st, q_pos, k_pos, seq_len, causal=causal, scale=scale, mods=mods,
-                                               slope2=slope2)
+            s2, ds = _scores(st, q_pos, k_pos, scale=scale, mods=mods, slope2=slope2)
             l2 = lax.broadcast_in_dim(plgpu.load(l2_smem.at[slot], layout=col_layout), shape, [1])
             delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=col_layout), shape, [1])
-            pt = jnp.where(visible, jnp.exp2(s2 - l2), 0.0)  # Pᵀ [keys, queries]
+            pt = jnp.exp2(s2 - l2)  # Pᵀ [keys, queries]
+            if masked:
+                pt = jnp.where(_visible(q_pos, k_pos, seq_len, causal=causal, mods=mods), pt, 0.0)
             dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot], a_tile, compiled)
             dpt = _dot(v_tile, do_smem.at[slot].transpose((1, 0)), shape)
             dst = pt * (dpt - delta) * ds
             dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot], a_tile, compiled)
-            pl.when(i + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+            release(i, slot)
             return dk, dv
 
-        dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
+        def release(i, slot):
+            pl.when(i + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+
+        def pass_over(g, lo, hi):  # tiles no key of this warpgroup's sees: each load observed, its slot released
+            @pl.loop(lo, hi)
+            def _(m):
+                i = g * num_m + m - m_lo
+                slot = lax.rem(i, jnp.int32(SLOTS))
+                plgpu.barrier_wait(bars.at[slot])
+                release(i, slot)
+
+        # The walk's tiles by what they need. Unmasked: every query sees every key. A query row past the request
+        # needs no mask: re-packed, it is a zero row with l2 = +inf (P = 0, so dS = 0), and its neighbours are the
+        # request's rows or more zero rows; nor a key row past it, whose dK / dV row is never stored. Causal: the
+        # tiles before the key tile's diagonal see none of its keys (a warpgroup's tile past the request: none at
+        # all), the diagonal tile is masked, the rest are whole. A window masks every tile.
+        own = kc < seq_len
+        first_seen = jnp.clip(kc // BLOCK if causal else m_lo, m_lo, m_hi)
+        first_seen = jnp.where(own, first_seen, m_hi)
+        if mods.windowed:
+            full_lo = full_hi = m_hi
+        else:
+            full_lo, full_hi = (kc // BLOCK + 1 if causal else m_lo), m_hi
+
+        def head(g, carry):
+            pass_over(g, m_lo, first_seen)
+            return _walk(first_seen, full_lo, full_hi, m_hi, functools.partial(step, g), carry)
+
+        dk, dv = lax.fori_loop(0, jnp.where(steps > 0, group, 0), head, (zeros, zeros))
         k_tile[...] = dk.astype(dtype)  # K and V are read for the last time above
         v_tile[...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -269,24 +316,48 @@ def _dq_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k
         delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[wg], layout=row_layout), shape, [0])
         slope2 = slopes_ref[head] * softmax.LOG2E if mods.alibi else None
 
-        def step(j, dq):
-            n = n_lo + j
+        def step(n, dq, masked: bool):
+            j = n - n_lo
             slot = lax.rem(j, jnp.int32(SLOTS))
             plgpu.barrier_wait(bars.at[slot])
             s = _dot(q_tile, k_smem.at[slot].transpose((1, 0)), shape)
-            q_pos = _iota(shape, 0) + qc
-            k_pos = _iota(shape, 1) + n * BLOCK
-            s2, ds, visible = _mask_and_scores(s, q_pos, k_pos, seq_len, causal=causal, scale=scale, mods=mods,
-                                               slope2=slope2)
-            p = jnp.where(visible, jnp.exp2(s2 - l2), 0.0)
+            q_pos = k_pos = None
+            if masked or mods.alibi:
+                q_pos = _iota(shape, 0) + qc
+                k_pos = _iota(shape, 1) + n * BLOCK
+            s2, ds = _scores(s, q_pos, k_pos, scale=scale, mods=mods, slope2=slope2)
+            p = jnp.exp2(s2 - l2)
+            if masked:
+                p = jnp.where(_visible(q_pos, k_pos, seq_len, causal=causal, mods=mods), p, 0.0)
             dp = _dot(do_tile, v_smem.at[slot].transpose((1, 0)), shape)
             dsc = p * (dp - delta) * ds
             dq = _accumulate(dq, dsc.astype(dtype), k_smem.at[slot], a_tile, compiled)
-            pl.when(j + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+            release(j, slot)
             return dq
 
+        def release(j, slot):
+            pl.when(j + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+
+        # The walk's key tiles by what they need. Unmasked: every query of the tile sees every key, and every key
+        # is the request's (a key row past it is a zero row, but its P need not be 0: masked, so that an overflowed
+        # P meets no 0 · inf). Query rows past the request need no mask (zero rows, l2 = +inf: P = 0). Causal: the
+        # tiles before the diagonal are whole, the diagonal is masked, the tiles after it see nothing from this
+        # warpgroup's queries (a warpgroup's tile past the request: nothing at all). A window masks every tile.
+        n_end = n_lo + steps
+        last_seen = jnp.clip(qc // BLOCK + 1 if causal else n_end, n_lo, n_end)
+        last_seen = jnp.where(qc < seq_len, last_seen, n_lo)
+        if mods.windowed:
+            full_lo = full_hi = n_lo
+        else:
+            full_lo, full_hi = n_lo, jnp.minimum(qc // BLOCK if causal else n_end, seq_len // BLOCK)
         zeros = plgpu.layout_cast(jnp.zeros((BLOCK, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(0, steps, step, zeros)
+        dq = _walk(n_lo, full_lo, full_hi, last_seen, step, zeros)
+
+        @pl.loop(last_seen, n_end)
+        def _pass_over(n):  # each load observed, its slot released
+            slot = lax.rem(n - n_lo, jnp.int32(SLOTS))
+            plgpu.barrier_wait(bars.at[slot])
+            release(n - n_lo, slot)
         q_tile[...] = dq.astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows, head])
