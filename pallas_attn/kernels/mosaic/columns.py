@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-# Mosaic GPU exposes its IR builders only through jax._src (its own inline examples import them the same way).
+# The MLIR builders inline Mosaic GPU code needs are reachable only through jax._src.
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental.mosaic import gpu as mgpu
