@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 import types
 
 import pytest
@@ -388,6 +389,29 @@ def test_lab_ab_times_a_model_family_feature(tmp_path, monkeypatch):
                     "--json", "feature.json"]) == 0
     [row] = json.loads((tmp_path / "feature.json").read_text())["rows"]
     assert row["workload"] == "D1" and row["rel_l2_b_vs_a"] is None and math.isfinite(row["gain"])
+
+
+def test_lab_ab_against_another_checkout(tmp_path, monkeypatch, capsys):
+    """``--a-tree DIR``: A runs the packages of another checkout in the same process (here a copy of this one: the
+    same outputs), and this checkout's modules are back in ``sys.modules`` afterwards."""
+    import shutil
+    import sys
+
+    import pallas_attn
+    from benchmarks.lab import ab
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tree = tmp_path / "tree"
+    for package in ("pallas_attn", "benchmarks"):
+        shutil.copytree(root / package, tree / package, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert ab.main(["--a-tree", str(tree), "--b", "default", "--only", "D1", "--tiny", "--reps", "1",
+                    "--json", "tree.json"]) == 0
+    assert f"A: pallas_attn from {tree / 'pallas_attn'}" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "tree.json").read_text())
+    [row] = doc["rows"]
+    assert doc["a_tree"] == str(tree) and row["rel_l2_b_vs_a"] == 0.0
+    assert sys.modules["pallas_attn"] is pallas_attn
 
 
 def test_model_grid(tmp_path):
