@@ -20,19 +20,6 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-# 1.5 · 2^23 as float32 bits: an integer |d| < 2^22 added to them gives the bits of the float 1.5 · 2^23 + d exactly
-# (the mantissa's low bits hold d), so one integer add and one float subtract make float(d).
-_MAGIC_BITS = 0x4B400000
-_MAGIC = 12582912.0
-SMALL_INT_LIMIT = 1 << 22
-
-
-def small_int_to_float(d):
-    """``float32(d)`` for int32 ``|d| < SMALL_INT_LIMIT``, by full-rate add and subtract: an int-to-float conversion
-    issues at a quarter of the FMA rate on sm_90 (as slowly as an exponential), per score in ALiBi's distances."""
-    return jax.lax.bitcast_convert_type(d + _MAGIC_BITS, jnp.float32) - _MAGIC
-
-
 def init_state(rows: int, width: int, parts: int = 1):
     """``(acc [rows, width] f32, m [rows] f32 = -inf, l [rows] f32 = 0)``; with ``parts > 1`` the accumulator is a
     tuple of ``parts`` column groups (an FP8 cache's even and odd dims: :func:`pallas_attn.core.tiles.fp8_pairs`)."""

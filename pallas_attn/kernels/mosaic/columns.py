@@ -29,7 +29,8 @@ ROW = plgpu.Layout.WGMMA.reduce(0)  # a row of a [64, n] wgmma tile: the layout 
 def columns(base, n: int, dtype=jnp.int32, *, compiled: bool):
     """``base + arange(n)`` as ``dtype`` (int32 or float32) in the :data:`ROW` layout, ``base`` an int32 scalar.
 
-    float32 is exact while ``|base| + n < 2**24``; the caller checks it."""
+    float32 is exact while ``|base| + n < 2**24``; beyond, each value is rounded twice (the first column's
+    conversion, then its add), where a per-value conversion rounds once."""
     if dtype not in (jnp.int32, jnp.float32):
         raise ValueError(f"columns: dtype must be int32 or float32, got {jnp.dtype(dtype)}")
     if not compiled:

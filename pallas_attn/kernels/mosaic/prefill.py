@@ -272,19 +272,11 @@ def _kernel(cu_ref, zero_ref, kv_stage_ref, q_tiles_ref, work_req_ref, work_item
         # LSE and the sink see the true scores. Near the diagonal, where the weights are, key - q0 stays small.
         exp_scale = (mods.softcap if mods.softcap > 0 else scale) * softmax.LOG2E
         slope = slopes_ref[q_head] * (softmax.LOG2E / exp_scale) if mods.alibi else None
-        # A distance as a float without an int-to-float conversion (those issue at the exponential's quarter rate
-        # on sm_90): exact while |key - q0| < 2^22; a tile's rows start at most 7 before its request, so
-        # max_seqlen + BLOCK_Q bounds it.
-        exact_distance = max_seqlen + BLOCK_Q < softmax.SMALL_INT_LIMIT
 
         def alibi_columns(j):  # [block_kv] slope_h · (key - q0), in the layout of a score row
-            if compiled and exact_distance:  # one add of an immediate a value (columns.py)
-                return slope * columns.columns(j * block_kv - q0, block_kv, jnp.float32, compiled=True)
-            key = plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-            distance = key + (j * block_kv - q0)
-            distance = (softmax.small_int_to_float(distance) if exact_distance
-                        else distance.astype(jnp.float32))
-            return slope * distance
+            # float distances built by one conversion a step and an add of an immediate a value (columns.py):
+            # exact while |key - q0| < 2^24 (a tile's rows start at most 7 before its request), rounded beyond
+            return slope * columns.columns(j * block_kv - q0, block_kv, jnp.float32, compiled=compiled)
 
         def scores(j, s):
             if mods.softcap > 0:  # tanh.approx.f32 (approx_math; docs/performance.md#model-family-features)
