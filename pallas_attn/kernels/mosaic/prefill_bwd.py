@@ -96,6 +96,22 @@ def _walk(lo, full_lo, full_hi, hi, step, carry):
     return lax.fori_loop(full_hi, hi, lambda t, c: step(t, c, True), carry)
 
 
+def _release(i, slot, steps, free):
+    """Step ``i``'s ``slot`` back to the memory warpgroup, if it refills it."""
+    pl.when(i + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+
+
+def _pass_over(lo, hi, step_of, bars, free, steps):
+    """Tiles ``[lo, hi)`` a warpgroup does not compute (``step_of(t)``: their steps): each load observed and its slot
+    released, so every refill gets its arrivals in phase order."""
+    @pl.loop(lo, hi)
+    def _(t):
+        i = step_of(t)
+        slot = lax.rem(i, jnp.int32(SLOTS))
+        plgpu.barrier_wait(bars.at[slot])
+        _release(i, slot, steps, free)
+
+
 def _iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
@@ -212,19 +228,8 @@ def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref,
             dpt = _dot(v_tile, do_smem.at[slot].transpose((1, 0)), shape)
             dst = pt * (dpt - delta) * ds
             dk = _accumulate(dk, dst.astype(dtype), q_smem.at[slot], a_tile, compiled)
-            release(i, slot)
+            _release(i, slot, steps, free)
             return dk, dv
-
-        def release(i, slot):
-            pl.when(i + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
-
-        def pass_over(g, lo, hi):  # tiles no key of this warpgroup's sees: each load observed, its slot released
-            @pl.loop(lo, hi)
-            def _(m):
-                i = g * num_m + m - m_lo
-                slot = lax.rem(i, jnp.int32(SLOTS))
-                plgpu.barrier_wait(bars.at[slot])
-                release(i, slot)
 
         # The walk's tiles by what they need. Unmasked: every query sees every key. A query row past the request
         # needs no mask: re-packed, it is a zero row with l2 = +inf (P = 0, so dS = 0), and its neighbours are the
@@ -239,8 +244,8 @@ def _dkdv_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref,
         else:
             full_lo, full_hi = (kc // BLOCK + 1 if causal else m_lo), m_hi
 
-        def head(g, carry):
-            pass_over(g, m_lo, first_seen)
+        def head(g, carry):  # the tiles before first_seen: none of this warpgroup's keys is seen
+            _pass_over(m_lo, first_seen, lambda m: g * num_m + m - m_lo, bars, free, steps)
             return _walk(first_seen, full_lo, full_hi, m_hi, functools.partial(step, g), carry)
 
         dk, dv = lax.fori_loop(0, jnp.where(steps > 0, group, 0), head, (zeros, zeros))
@@ -332,11 +337,8 @@ def _dq_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k
             dp = _dot(do_tile, v_smem.at[slot].transpose((1, 0)), shape)
             dsc = p * (dp - delta) * ds
             dq = _accumulate(dq, dsc.astype(dtype), k_smem.at[slot], a_tile, compiled)
-            release(j, slot)
+            _release(j, slot, steps, free)
             return dq
-
-        def release(j, slot):
-            pl.when(j + SLOTS < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
 
         # The walk's key tiles by what they need. Unmasked: every query of the tile sees every key, and every key
         # is the request's (a key row past it is a zero row, but its P need not be 0: masked, so that an overflowed
@@ -352,12 +354,7 @@ def _dq_kernel(tile_req_ref, tile_local_ref, req_tile_ref, seq_len_ref, q_ref, k
             full_lo, full_hi = n_lo, jnp.minimum(qc // BLOCK if causal else n_end, seq_len // BLOCK)
         zeros = plgpu.layout_cast(jnp.zeros((BLOCK, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dq = _walk(n_lo, full_lo, full_hi, last_seen, step, zeros)
-
-        @pl.loop(last_seen, n_end)
-        def _pass_over(n):  # each load observed, its slot released
-            slot = lax.rem(n - n_lo, jnp.int32(SLOTS))
-            plgpu.barrier_wait(bars.at[slot])
-            release(n - n_lo, slot)
+        _pass_over(last_seen, n_end, lambda n: n - n_lo, bars, free, steps)  # tiles past the diagonal
         q_tile[...] = dq.astype(q_tile.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows, head])
