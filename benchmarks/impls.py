@@ -190,15 +190,21 @@ def _decode_args(b: Batch):
 
 
 def _split_note(batch: Batch, options: Options, kwargs: dict) -> str:
-    """The static split count the decode wrapper will use (the same call as ``ops/decode.py`` makes)."""
+    """The static split count the decode wrapper will use (the same call as ``ops/decode.py`` makes; under
+    ``backend="mosaic"`` over the Mosaic kernel's 64-key tiles, as ``ops/paged.py`` plans them)."""
     s, host = batch.spec, batch.host
     try:
         from pallas_attn.core import config as config_lib
-        cfg = kwargs.get("config") or config_lib.default_decode_config(s.head_dim, s.block_size, s.jnp_dtype.itemsize)
+        from pallas_attn.kernels.mosaic import paged as mosaic_paged
+        if kwargs.get("backend") == "mosaic":
+            block_n = mosaic_paged.BLOCK_N
+        else:
+            block_n = (kwargs.get("config") or config_lib.default_decode_config(s.head_dim, s.block_size,
+                                                                                s.jnp_dtype.itemsize)).block_n
         keys = host.block_tables.shape[1] * s.block_size
         if s.window_left >= 0:  # a window straddles one more tile
-            keys = min(keys, s.window_left + 1 + cfg.block_n)
-        splits, size = config_lib.resolve_splits(host.num_seqs * s.num_kv_heads, keys, cfg.block_n,
+            keys = min(keys, s.window_left + 1 + block_n)
+        splits, size = config_lib.resolve_splits(host.num_seqs * s.num_kv_heads, keys, block_n,
                                                  kwargs.get("num_splits"), kwargs.get("split_size"))
     except Exception as e:  # noqa: BLE001 - a note must never fail a run (nor a baseline revision's layout)
         return f"splits=? ({type(e).__name__})"
