@@ -194,16 +194,16 @@ def _split_note(batch: Batch, options: Options, kwargs: dict) -> str:
     ``backend="mosaic"`` over the Mosaic kernel's 64-key tiles, as ``ops/paged.py`` plans them)."""
     s, host = batch.spec, batch.host
     try:
-        from pallas_attn.core import config as config_lib
+        from pallas_attn.core import config as config_lib, masks
         from pallas_attn.kernels.mosaic import paged as mosaic_paged
+        from pallas_attn.ops import paged as paged_op
         if kwargs.get("backend") == "mosaic":
             block_n = mosaic_paged.BLOCK_N
         else:
             block_n = (kwargs.get("config") or config_lib.default_decode_config(s.head_dim, s.block_size,
                                                                                 s.jnp_dtype.itemsize)).block_n
-        keys = host.block_tables.shape[1] * s.block_size
-        if s.window_left >= 0:  # a window straddles one more tile
-            keys = min(keys, s.window_left + 1 + block_n)
+        cache = jax.ShapeDtypeStruct((1, s.block_size, s.num_kv_heads, s.head_dim), s.kv_jnp_dtype)
+        keys = paged_op.keys_read(host.block_tables, cache, masks.ScoreMods(window_left=s.window_left), 1, block_n)
         splits, size = config_lib.resolve_splits(host.num_seqs * s.num_kv_heads, keys, block_n,
                                                  kwargs.get("num_splits"), kwargs.get("split_size"))
     except Exception as e:  # noqa: BLE001 - a note must never fail a run (nor a baseline revision's layout)
