@@ -131,3 +131,46 @@ def test_softmax_update_packed_matches_softmax_update(chunks, scale):
     assert not np.isnan(np.asarray(l_new)).any()
     np.testing.assert_allclose(np.asarray(l_new), np.asarray(want_l), rtol=2e-6, atol=0)
     assert np.all(np.asarray(p16, np.float32)[5] == 0) and np.asarray(l_new)[5] == 0
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3])
+@pytest.mark.parametrize("bounds", [(0, 0, 5, 5), (3, None, 9, 12), (2, 4, 7, 11), (5, 6, 6, 6), (1, 1, 1, 2)])
+def test_kv_loop_shares_each_tile_once(stride, bounds):
+    """``kv_loop(..., stride=n, phase=w)`` over workers ``w < n``: every tile of ``[tile_start, kv_end)`` runs once,
+    by worker ``(j - tile_start) % n``, masked exactly where the one-worker loop masks it."""
+    tile_start, full_start, full_end, kv_end = bounds
+
+    def record(j, seen, masked):
+        return seen.at[j].add(jnp.where(masked, 10, 1))
+
+    whole = softmax.kv_loop(jnp.zeros(16, jnp.int32), tile_start, full_end, kv_end, record, full_start)
+    parts = []
+    for w in range(stride):
+        part = softmax.kv_loop(jnp.zeros(16, jnp.int32), tile_start, full_end, kv_end, record, full_start,
+                               stride=stride, phase=jnp.int32(w))
+        owned = (np.arange(16) >= tile_start) & (np.arange(16) < kv_end) & ((np.arange(16) - tile_start) % stride == w)
+        assert np.all(np.asarray(part)[~owned] == 0)
+        parts.append(np.asarray(part))
+    np.testing.assert_array_equal(sum(parts), np.asarray(whole))
+
+
+def test_merge_states_matches_one_pass():
+    """Two states over disjoint key sets merged (the Mosaic paged kernel's two compute warpgroups) against one
+    state over all keys: rows with keys in one set only, in neither (0 and -inf, never NaN) and in both."""
+    rng = np.random.default_rng(2)
+    s = rng.normal(0, 3, (6, 40)).astype(np.float32)
+    v = rng.normal(size=(40, 8)).astype(np.float32)
+    s[1, 20:] = -np.inf  # row 1: keys in the first set only
+    s[2, :20] = -np.inf  # row 2: in the second only
+    s[3] = -np.inf  # row 3: none
+
+    def state(cols):
+        m0, l0 = jnp.full((6,), -jnp.inf), jnp.zeros((6,))
+        m, alpha, p, l = softmax.softmax_update(m0, l0, jnp.asarray(s[:, cols]))
+        return p @ v[cols], m, l
+
+    acc, m, l = softmax.merge_states(state(slice(0, 20)), state(slice(20, 40)))
+    want_acc, want_m, want_l = state(slice(0, 40))
+    for got, want in ((acc, want_acc), (m, want_m), (l, want_l)):
+        assert not np.isnan(np.asarray(got)).any()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

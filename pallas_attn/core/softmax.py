@@ -209,12 +209,36 @@ def fold_split_states(num_splits: int, lse_at, out_at, lse_shape: tuple, out_sha
     return out, lse
 
 
-def kv_loop(state, tile_start, full_end, kv_end, step, full_start=None):
+def kv_loop(state, tile_start, full_end, kv_end, step, full_start=None, *, stride: int = 1, phase=0):
     """Run ``step(j, state, masked)`` over key tiles: ``[tile_start, full_end)`` unmasked, ``[full_end, kv_end)``
     masked. Two loops, so the full tiles (■) carry no mask code at all and each loop is pipelined on its own. With
-    ``full_start`` (a sliding window), ``[tile_start, full_start)`` runs masked first (a third loop)."""
+    ``full_start`` (a sliding window), ``[tile_start, full_start)`` runs masked first (a third loop).
+
+    ``stride > 1``: only the tiles ``j`` with ``(j - tile_start) % stride == phase`` (``phase`` may be traced), one
+    worker's share when ``stride`` workers take turns on a program's tiles."""
+    origin = tile_start
+
+    def run(lo, hi, masked, state):
+        if stride == 1:
+            return jax.lax.fori_loop(lo, hi, lambda j, s: step(j, s, masked), state)
+        first = lo + jax.lax.rem(phase - jax.lax.rem(lo - origin, stride) + stride, stride)  # lo >= origin
+        count = jnp.maximum(hi - first + stride - 1, 0) // stride
+        return jax.lax.fori_loop(0, count, lambda i, s: step(first + stride * i, s, masked), state)
+
     if full_start is not None:
-        state = jax.lax.fori_loop(tile_start, full_start, lambda j, s: step(j, s, True), state)
+        state = run(tile_start, full_start, True, state)
         tile_start = full_start
-    state = jax.lax.fori_loop(tile_start, full_end, lambda j, s: step(j, s, False), state)
-    return jax.lax.fori_loop(full_end, kv_end, lambda j, s: step(j, s, True), state)
+    state = run(tile_start, full_end, False, state)
+    return run(full_end, kv_end, True, state)
+
+
+def merge_states(a, b):
+    """Two online-softmax states ``(acc [M, D], m [M], l [M])`` (base-2 running max) over disjoint key sets, as
+    one: each rescaled to the larger max. A row that saw no key in either stays 0 with ``m = -inf``."""
+    (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    alpha, beta = jnp.exp2(m_a - m_safe), jnp.exp2(m_b - m_safe)
+    acc = acc_a * jax.lax.broadcast_in_dim(alpha, acc_a.shape, [0]) + \
+        acc_b * jax.lax.broadcast_in_dim(beta, acc_b.shape, [0])
+    return acc, m, l_a * alpha + l_b * beta

@@ -9,14 +9,16 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   heads of one KV head, ``block_q · group <= 64`` rows: the M dim of both wgmmas, so each K/V tile is read once for
   all of them (a decode step's GQA group, a verification's draft tokens). The static number of blocks bounds any
   batch of the bucketed shapes (no host sync, no recompilation); blocks past the batch's last exit at once.
-* two warpgroups. The **memory** warpgroup reads the block table in the kernel and brings each 64-key tile of K and
-  V into a ring of shared-memory slots with TMA, in copies of ``gcd(block_size, 64)`` rows (:func:`copy_rows`):
-  one a tile for pages of a multiple of 64, one a page for 8, 16 or 32, 16 rows at a time for 48 or 80, 32 for
-  Qwen3-Next's 544; a copy never crosses a page. A page that is not the request's — past
-  its keys, wholly before its window, or an id outside the pool — is never copied (the memory warpgroup arrives
-  on the slot's barrier without bytes instead). The **compute** warpgroup runs ``S = Q Kᵀ``, the online softmax
-  in registers (exp2, the scale folded into its FMA) and ``O += P V``, and releases each slot to the memory
-  warpgroup.
+* warpgroups: one for memory, one or two for compute (:func:`compute_wgs`). The **memory** warpgroup reads the block
+  table in the kernel and brings each 64-key tile of K and V into a ring of shared-memory slots with TMA, in copies
+  of ``gcd(block_size, 64)`` rows (:func:`copy_rows`): one a tile for pages of a multiple of 64, one a page for 8,
+  16 or 32, 16 rows at a time for 48 or 80, 32 for Qwen3-Next's 544; a copy never crosses a page. A page that is not
+  the request's — past its keys, wholly before its window, or an id outside the pool — is never copied (the memory
+  warpgroup arrives on the slot's barrier without bytes instead). A **compute** warpgroup runs ``S = Q Kᵀ``, the
+  online softmax in registers (exp2, the scale folded into its FMA) and ``O += P V``, and releases each slot to the
+  memory warpgroup. At head dim 128 over a 16-bit cache two take turns on a program's tiles (even and odd), each
+  with its own running state; the second hands its state to the first through shared memory, which merges the two
+  before the output.
 * isolation (docs/design.md#isolation-whatever-the-inputs): a tile with a key the rows may not read — past the
   request's length, before its window, on a page not copied — masks those scores and zeroes those rows of V in
   shared memory before ``P V`` (``0 · NaN`` is NaN: a neighbour's NaN or a stale slot must meet zeros). Tiles
@@ -94,6 +96,15 @@ def copy_rows(block_size: int) -> int:
     """Rows of one TMA copy of K or V: the largest power of two that divides both the page and the 64-key tile, so
     that every copy lies within one page and a tile is ``64 / copy_rows`` copies."""
     return math.gcd(block_size, BLOCK_N)
+
+
+def compute_wgs(head_dim: int, fp8: bool = False) -> int:
+    """Compute warpgroups of a program: two taking turns on its key tiles at head dim 128 over a 16-bit cache, where
+    one warpgroup's chain of two wgmmas and a softmax a tile is the bound on an H200; one at 64 (a third warpgroup's
+    registers leave one program an SM instead of two), at 256 (the second's float32 state would not fit shared
+    memory beside the slots for the merge) and over FP8 pages (not measured with two).
+    docs/performance.md#two-compute-warpgroups-at-head-dim-128 has the measurements."""
+    return 2 if head_dim == 128 and not fp8 else 1
 
 
 def num_slots(head_dim: int) -> int:
@@ -177,7 +188,7 @@ def _tile_pages(table_ref, table_base, j, seq_len, key_lo, *, block_size: int, m
 def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref,
             *refs, group: int, block_q: int, rows_pad: int, max_blocks: int, block_size: int, slots: int,
             num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, scale_mode: str | None,
-            band_tiles: int, compiled: bool):
+            band_tiles: int, wgs: int, compiled: bool):
     # refs: [features f32[Hkv, FEATURE_ROWS, 64]] (ALiBi slopes / sinks by row), [FP8: f32[T], each token's raw
     # scores' factor], [per-token scales: i32[S] each request's first band tile, the K and V scale bands f32[S, Hkv,
     # band_tiles * 64] (:func:`scale_bands`)], o, lse, the scratch
@@ -188,8 +199,8 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
     scales_ref = refs.pop(0) if fp8 else None
     band_first_ref, k_band_ref, v_band_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if per_token else (None,) * 3
     o_ref, lse_ref, scoped = refs
-    (q_smem, stage, k_smem, v_smem, lse_smem, feat_smem, p_smem, (k16, v16), (ks_smem, vs_smem)), \
-        (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
+    (q_smem, stage, k_smem, v_smem, lse_smem, feat_smem, p_smem, (k16, v16), (ks_smem, vs_smem), merge_smem), \
+        (q_bar, k_bar, v_bar), (k_free, v_free), (q_ready, merged) = scoped
     p, kv_head, split = lax.axis_index("block"), lax.axis_index("heads"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
@@ -214,22 +225,49 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
     def slot_of(j):
         return lax.rem(j - tile_start, jnp.int32(slots))
 
-    @pl.when(live & (wg == 0))
-    def _compute():
-        if feat_ref is not None:
-            plgpu.copy_gmem_to_smem(feat_ref.at[kv_head], feat_smem, q_bar)
-        # the block's tokens × group rows, a copy per token (one for decode); rows past the request's tokens are
-        # left as they are: garbage rows, their scores their own, never stored
-        for i in range(block_q):
-            tok = first + i
-            pl.when(tok < q_len)(functools.partial(plgpu.copy_gmem_to_smem, q_ref.at[q_start + tok, kv_head],
-                                                   stage.at[pl.ds(i * group, group)], q_bar))
-            pl.when(tok >= q_len)(functools.partial(plgpu.barrier_arrive, q_bar))
-        plgpu.barrier_wait(q_bar)
-        # into the swizzled wgmma layout. Unoptimized: Mosaic GPU's layout search plans an optimized load of an
-        # untiled [64, 256] buffer for minutes (jax 0.11.2); one load per kernel, its speed does not matter
-        q_smem[...] = plgpu.load(stage, layout=plgpu.Layout.WGMMA, optimized=False)
+    def _finish(state):
+        """Warpgroup 0: the (merged) state normalised, the output tile and its LSE stored."""
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        sink2 = None
+        if mods.sinks and num_splits == 1:  # split partials leave the sink to their merge
+            sink2 = plgpu.load(feat_smem.at[1], layout=row_layout) * softmax.LOG2E
+        out, lse = softmax.finalize(state, sink2)
+        # the output tile: into Q's (its last readers, each warpgroup's last Q Kᵀ, have completed), or per token into
+        # the widened V tile's (bf16, as the output is: the values' own scale)
+        out_smem = v16.at[0] if per_token else q_smem
+        out_smem[...] = out.astype(out_smem.dtype)
+        lse_smem[...] = lse
         plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows_pad)], o_ref.at[split, p, kv_head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_pad)], lse_ref.at[split, p, kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(live & (wg < wgs))
+    def _compute():
+        @pl.when(wg == 0)
+        def _load_query():
+            if feat_ref is not None:
+                plgpu.copy_gmem_to_smem(feat_ref.at[kv_head], feat_smem, q_bar)
+            # the block's tokens × group rows, a copy per token (one for decode); rows past the request's tokens are
+            # left as they are: garbage rows, their scores their own, never stored
+            for i in range(block_q):
+                tok = first + i
+                pl.when(tok < q_len)(functools.partial(plgpu.copy_gmem_to_smem, q_ref.at[q_start + tok, kv_head],
+                                                       stage.at[pl.ds(i * group, group)], q_bar))
+                pl.when(tok >= q_len)(functools.partial(plgpu.barrier_arrive, q_bar))
+            plgpu.barrier_wait(q_bar)
+            # into the swizzled wgmma layout. Unoptimized: Mosaic GPU's layout search plans an optimized load of an
+            # untiled [64, 256] buffer for minutes (jax 0.11.2); one load per kernel, its speed does not matter
+            q_smem[...] = plgpu.load(stage, layout=plgpu.Layout.WGMMA, optimized=False)
+            plgpu.commit_smem()
+            if wgs > 1:  # the other compute warpgroup reads Q (and the feature rows) once they are in place
+                plgpu.barrier_arrive(q_ready)
+
+        if wgs > 1:
+            pl.when(wg > 0)(lambda: plgpu.barrier_wait(q_ready))
+        # this warpgroup's widened K / V tiles (FP8) and P (the interpreter)
+        k16_wg, v16_wg = (None, None) if k16 is None else (k16.at[wg], v16.at[wg])
+        p_tile = None if p_smem is None else p_smem.at[wg]
 
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout)
@@ -293,7 +331,7 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             plgpu.barrier_wait(k_bar.at[slot])
             k_tile = k_smem.at[slot]
             if fp8:  # into 16 bits for wgmma, through registers; the FP8 slot is free again at once
-                k_tile = widen(k_tile, k16)
+                k_tile = widen(k_tile, k16_wg)
                 if per_token:  # each key's scale, by column (read before the slot is refilled)
                     key_scales = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
@@ -330,7 +368,7 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             plgpu.barrier_wait(v_bar.at[slot])
             v_slot = v_smem.at[slot]
             if fp8:
-                v_slot = widen(v_slot, v16, vs_smem.at[slot] if per_token else None)
+                v_slot = widen(v_slot, v16_wg, vs_smem.at[slot] if per_token else None)
                 pl.when(refilled)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
             whole = (j * BLOCK_N >= key_lo) & ((j + 1) * BLOCK_N <= seq_len)
             whole = functools.reduce(lambda w, page: w & page[3], tile_pages, whole)
@@ -347,11 +385,11 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             else:  # the interpreter: A from shared memory, a fresh accumulator
-                p_smem[...] = p16
+                p_tile[...] = p16
                 plgpu.commit_smem()
 
                 def pv_fresh(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_slot)
+                    plgpu.wgmma(acc_ref, p_tile, v_slot)
                     return acc_ref[...]
 
                 acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
@@ -359,22 +397,29 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                 pl.when(refilled)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
             return acc, m_i, l_i
 
-        state = softmax.kv_loop((acc, m_i, l_i), tile_start, full_end, kv_end, step, full_start)
-        sink2 = None
-        if mods.sinks and num_splits == 1:  # split partials leave the sink to their merge
-            sink2 = plgpu.load(feat_smem.at[1], layout=row_layout) * softmax.LOG2E
-        out, lse = softmax.finalize(state, sink2)
-        # the output tile: into Q's (its last reader, the last Q Kᵀ, has completed), or per token into the widened
-        # V tile's (bf16, as the output is: the values' own scale)
-        out_smem = v16 if per_token else q_smem
-        out_smem[...] = out.astype(out_smem.dtype)
-        lse_smem[...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows_pad)], o_ref.at[split, p, kv_head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_pad)], lse_ref.at[split, p, kv_head])
-        plgpu.wait_smem_to_gmem(0)
+        # warpgroup w takes the tiles w, w + wgs, ... of the program's (slots w, w + wgs, ...: each slot is released
+        # by one warpgroup); the second's state joins the first's through shared memory
+        state = softmax.kv_loop((acc, m_i, l_i), tile_start, full_end, kv_end, step, full_start, stride=wgs,
+                                phase=wg)
+        if wgs > 1:
+            acc_smem, m_smem, l_smem = merge_smem
 
-    @pl.when(live & (wg == 1))
+            @pl.when(wg == 1)
+            def _hand_over():
+                acc_smem[...], m_smem[...], l_smem[...] = state
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(merged)
+
+            @pl.when(wg == 0)
+            def _merge_and_finish():
+                plgpu.barrier_wait(merged)
+                other = (plgpu.load(acc_smem, layout=plgpu.Layout.WGMMA, optimized=False),
+                         plgpu.load(m_smem, layout=row_layout), plgpu.load(l_smem, layout=row_layout))
+                _finish(softmax.merge_states(state, other))
+        else:
+            _finish(state)
+
+    @pl.when(live & (wg == wgs))
     def _memory():
         band = (k_band_ref, ks_smem), (v_band_ref, vs_smem)
 
@@ -502,7 +547,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
                       else num_query_blocks(num_tokens, num_seqs, block_q))
     block_req, block_first, cu_blocks = metadata.segment_items((counts + block_q - 1) // block_q, num_blocks)
     block_first = block_first * block_q
-    slots = num_slots(head_dim)
+    slots, wgs = num_slots(head_dim), compute_wgs(head_dim, scale_mode is not None)
     fp8, per_token = scale_mode is not None, scale_mode == "token"
     pv_dtype = jnp.bfloat16 if per_token else q.dtype  # P, V and the output tiles
     has_features = mods.alibi or mods.sinks
@@ -520,18 +565,23 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
          plgpu.SMEM((slots, BLOCK_N, head_dim), v_cache.dtype, **cache_layout),
          plgpu.SMEM((BLOCK_M,), jnp.float32),
          plgpu.SMEM((FEATURE_ROWS, BLOCK_M), jnp.float32) if has_features else None,
-         plgpu.SMEM((BLOCK_M, BLOCK_N), pv_dtype, **tiled) if interpret else None,  # P (interpreter)
-         (plgpu.SMEM((BLOCK_N, head_dim), q.dtype, **tiled),  # K, V widened (V per token: then the output)
-          plgpu.SMEM((BLOCK_N, head_dim), pv_dtype, **tiled)) if fp8 else (None, None),
-         (plgpu.SMEM((slots, BLOCK_N), jnp.float32),) * 2 if per_token else (None, None)),  # K, V scales by key
+         plgpu.SMEM((wgs, BLOCK_M, BLOCK_N), pv_dtype, **tiled) if interpret else None,  # P (interpreter)
+         # K, V widened, per compute warpgroup (V per token: then the output)
+         (plgpu.SMEM((wgs, BLOCK_N, head_dim), q.dtype, **tiled),
+          plgpu.SMEM((wgs, BLOCK_N, head_dim), pv_dtype, **tiled)) if fp8 else (None, None),
+         (plgpu.SMEM((slots, BLOCK_N), jnp.float32),) * 2 if per_token else (None, None),  # K, V scales by key
+         # the second compute warpgroup's state (acc, m, l), handed over for the merge
+         (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32), plgpu.SMEM((BLOCK_M,), jnp.float32),
+          plgpu.SMEM((BLOCK_M,), jnp.float32)) if wgs > 1 else None),
         (plgpu.Barrier(num_arrivals=block_q + int(has_features)),  # a slot: its copies, and its scales per token
          *[plgpu.Barrier(num_arrivals=BLOCK_N // copy_rows(block_size) + int(per_token), num_barriers=slots)] * 2),
         (plgpu.Barrier(num_barriers=slots),) * 2,
+        (plgpu.Barrier(), plgpu.Barrier()) if wgs > 1 else (None, None),  # Q in place; the state handed over
     )
     body = functools.partial(
         _kernel, group=group, block_q=block_q, rows_pad=rows_pad, max_blocks=max_blocks, block_size=block_size,
         slots=slots, num_splits=num_splits, split_size=split_size, scale=scale, mods=mods, scale_mode=scale_mode,
-        band_tiles=extra[-1].shape[-1] // BLOCK_N if per_token else 0, compiled=not interpret)
+        band_tiles=extra[-1].shape[-1] // BLOCK_N if per_token else 0, wgs=wgs, compiled=not interpret)
 
     def paged_kernel(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -545,7 +595,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
         out_type=[jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, rows_pad, head_dim), pv_dtype),
                   jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, rows_pad), jnp.float32)],
         grid=(num_blocks, num_kv_heads, num_splits), grid_names=("block", "heads", "split"),
-        num_threads=2, thread_name="wg",
+        num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret_params,
     )(block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1),
