@@ -221,7 +221,8 @@ def kv_loop(state, tile_start, full_end, kv_end, step, full_start=None, *, strid
     def run(lo, hi, masked, state):
         if stride == 1:
             return jax.lax.fori_loop(lo, hi, lambda j, s: step(j, s, masked), state)
-        first = lo + jax.lax.rem(phase - jax.lax.rem(lo - origin, stride) + stride, stride)  # lo >= origin
+        # the first j >= lo of this worker's residue class (lax.rem keeps the sign of lo - origin: + stride)
+        first = lo + jax.lax.rem(phase - jax.lax.rem(lo - origin, stride) + stride, stride)
         count = jnp.maximum(hi - first + stride - 1, 0) // stride
         return jax.lax.fori_loop(0, count, lambda i, s: step(first + stride * i, s, masked), state)
 

@@ -225,9 +225,10 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
     def slot_of(j):
         return lax.rem(j - tile_start, jnp.int32(slots))
 
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector of the score rows: m, l, per-row factors
+
     def _finish(state):
         """Warpgroup 0: the (merged) state normalised, the output tile and its LSE stored."""
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
         sink2 = None
         if mods.sinks and num_splits == 1:  # split partials leave the sink to their merge
             sink2 = plgpu.load(feat_smem.at[1], layout=row_layout) * softmax.LOG2E
@@ -269,7 +270,6 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
         k16_wg, v16_wg = (None, None) if k16 is None else (k16.at[wg], v16.at[wg])
         p_tile = None if p_smem is None else p_smem.at[wg]
 
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
         m_i = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout)
         l_i = plgpu.layout_cast(jnp.full((BLOCK_M,), 0.0, jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.full((BLOCK_M, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
