@@ -16,7 +16,7 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   the request's — past its keys, wholly before its window, or an id outside the pool — is never copied (the memory
   warpgroup arrives on the slot's barrier without bytes instead). A **compute** warpgroup runs ``S = Q Kᵀ``, the
   online softmax in registers (exp2, the scale folded into its FMA) and ``O += P V``, and releases each slot to the
-  memory warpgroup. At head dim 128 over a 16-bit cache two take turns on a program's tiles (even and odd), each
+  memory warpgroup. At head dim 128 two take turns on a program's tiles (even and odd), each
   with its own running state; the second hands its state to the first through shared memory, which merges the two
   before the output.
 * isolation (docs/design.md#isolation-whatever-the-inputs): a tile with a key the rows may not read — past the
@@ -98,13 +98,13 @@ def copy_rows(block_size: int) -> int:
     return math.gcd(block_size, BLOCK_N)
 
 
-def compute_wgs(head_dim: int, fp8: bool = False) -> int:
-    """Compute warpgroups of a program: two taking turns on its key tiles at head dim 128 over a 16-bit cache, where
-    one warpgroup's chain of two wgmmas and a softmax a tile is the bound on an H200; one at 64 (a third warpgroup's
-    registers leave one program an SM instead of two), at 256 (the second's float32 state would not fit shared
-    memory beside the slots for the merge) and over FP8 pages (not measured with two).
+def compute_wgs(head_dim: int) -> int:
+    """Compute warpgroups of a program: two taking turns on its key tiles at head dim 128, where one warpgroup's
+    chain a tile (two wgmmas and a softmax, and over FP8 pages the tile's widening) is the bound; one at 64 (a third
+    warpgroup's registers leave one program an SM instead of two) and at 256 (the second's float32 state would not
+    fit shared memory beside the slots for the merge). Over FP8 pages each warpgroup widens its own tiles.
     docs/performance.md#two-compute-warpgroups-at-head-dim-128 has the measurements."""
-    return 2 if head_dim == 128 and not fp8 else 1
+    return 2 if head_dim == 128 else 1
 
 
 def num_slots(head_dim: int) -> int:
@@ -547,7 +547,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
                       else num_query_blocks(num_tokens, num_seqs, block_q))
     block_req, block_first, cu_blocks = metadata.segment_items((counts + block_q - 1) // block_q, num_blocks)
     block_first = block_first * block_q
-    slots, wgs = num_slots(head_dim), compute_wgs(head_dim, scale_mode is not None)
+    slots, wgs = num_slots(head_dim), compute_wgs(head_dim)
     fp8, per_token = scale_mode is not None, scale_mode == "token"
     pv_dtype = jnp.bfloat16 if per_token else q.dtype  # P, V and the output tiles
     has_features = mods.alibi or mods.sinks
