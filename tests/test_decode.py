@@ -164,3 +164,21 @@ def test_split_heuristic(programs, capacity, want):
         assert (splits, size) == want
     else:
         assert splits > 1 and size % 64 == 0 and splits * size >= capacity
+
+
+@pytest.mark.parametrize("programs, capacity, plain, pow2", [
+    (32, 131072, (17, 7744), (16, 8192)),  # D2: 272 programs with keys (three waves of 132) become 256 (two)
+    (256, 16384, (3, 5504), (4, 4096)),  # V1: the nearest power of two, below
+    (64, 32768, (9, 3648), (8, 4096)),  # a TP-8 shard of 64 requests
+    (512, 8192, (4, 2048), (4, 2048)),  # D1: the tail balance's segments, powers of two already
+    (1, 200_000, (64, 3136), (49, 4096)),  # 2**round(log2(3136)) = 4096; never more than 64 segments
+    (1, 100_000, (63, 1600), (49, 2048)),  # 1600 -> 2048 (log2 10.64)
+])
+def test_split_heuristic_pow2_segments(programs, capacity, plain, pow2, monkeypatch):
+    """The Mosaic paged kernel's plan (one program an SM): the heuristic's segments rounded to the nearest power of
+    two, still covering the capacity, a multiple of the tile, at most 64 segments."""
+    monkeypatch.setattr(config_lib.backend, "num_sms", lambda: 132)
+    assert config_lib.resolve_splits(programs, capacity, 64, None, None) == plain
+    splits, size = config_lib.resolve_splits(programs, capacity, 64, None, None, pow2_segments=True)
+    assert (splits, size) == pow2
+    assert size % 64 == 0 and size & (size - 1) == 0 and splits * size >= capacity and splits <= 64

@@ -212,7 +212,7 @@ def test_two_launch_split_plan():
         paged_op._mosaic(q, cache, cache, tables, lens, cu, None, None, max_query_len=8192, scale=1.0,
                          mods=paged_op.masks.NO_MODS, num_splits=None, split_size=None, return_lse=False,
                          interpret=True)
-    short = config.resolve_splits(4 * 8, 16384, 64, None, None)
+    short = config.resolve_splits(4 * 8, 16384, 64, None, None, pow2_segments=True)
     assert seen["short_splits"] == short and short[0] > 1
     assert seen["num_splits"] == 1
 

@@ -279,8 +279,11 @@ def default_mla_config(num_heads: int, max_query_len: int) -> MLAConfig:
     return MLAConfig(block_h=block_h, block_q=block_q)
 
 
+MAX_SPLITS = 64  # split-KV segments a heuristic plans at most (the merge reads each one's partial)
+
+
 def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, *, num_sms: int | None = None,
-                      min_split_tokens: int = 1024, max_splits: int = 64, programs_per_sm: int = 2) -> int:
+                      min_split_tokens: int = 1024, max_splits: int = MAX_SPLITS, programs_per_sm: int = 2) -> int:
     """Split-KV heuristic: split only when ``num_programs`` (batch × kv heads × query blocks) cannot fill the GPU,
     and never into segments shorter than ``min_split_tokens`` keys (below that the merge pass costs more than the
     parallelism buys: docs/performance.md#split-kv-heuristic, docs/design.md#split-kv-and-the-merge).
@@ -317,16 +320,19 @@ def balance_split_size(num_programs: int, max_kv_len: int, block_n: int, *, num_
 
 
 def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits: int | None,
-                   split_size: int | None, *, programs_per_sm: int = 2) -> tuple[int, int | None]:
+                   split_size: int | None, *, programs_per_sm: int = 2,
+                   pow2_segments: bool = False) -> tuple[int, int | None]:
     """Static ``(num_splits, split_size)`` for a launch.
 
     * ``split_size`` given (tokens, a multiple of ``block_n``): fixed segments ``[s·split_size, (s+1)·split_size)``,
       ``num_splits = cdiv(max_kv_len, split_size)``; batch invariant.
     * ``num_splits`` given: each request's own tiles shared out evenly among that many segments.
     * neither: :func:`choose_num_splits` (``programs_per_sm`` passed on); when it splits, it uses fixed segments
-      of equal length (so a long request gets more segments than a short one and the programs carry equal work). A
-      batch that already fills the GPU gets :func:`balance_split_size` segments when its capacity leaves a long
-      tail.
+      of equal length (so a long request gets more segments than a short one and the programs carry equal work),
+      with ``pow2_segments`` rounded to the nearest power of two (for a kernel of one program an SM, whose
+      programs then come in powers of two: full waves on 132 SMs where 17 segments of a power-of-two context left
+      a wave of a few programs; docs/performance.md#split-kv-heuristic). A batch that already fills the GPU gets
+      :func:`balance_split_size` segments when its capacity leaves a long tail.
 
     ``max_kv_len`` is the static capacity (``max_blocks * block_size``), not the data: heuristics never sync.
     """
@@ -345,4 +351,8 @@ def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits:
         size = balance_split_size(num_programs, max_kv_len, block_n)
         return (1, None) if size is None else (math.ceil(max_kv_len / size), size)
     size = math.ceil(math.ceil(max_kv_len / splits) / block_n) * block_n
+    if pow2_segments:  # the nearest power of two (log scale), no shorter than a tile, at most max_splits segments
+        size = max(block_n, 1 << round(math.log2(size)))
+        while math.ceil(max_kv_len / size) > max(splits, MAX_SPLITS):
+            size *= 2
     return max(1, math.ceil(max_kv_len / size)), size

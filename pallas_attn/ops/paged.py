@@ -182,21 +182,24 @@ def _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_sl
             scale: float, mods: masks.ScoreMods, num_splits: int | None, split_size: int | None, return_lse: bool,
             interpret: bool, kv_scales: tuple = (), name: str = "paged_attention"):
     """The Mosaic kernel's call, shared with :func:`pallas_attn.paged_decode_attention`: its split plan, then the
-    kernel. Short queries alone: one launch, the heuristic over its query blocks × KV heads. With prefill chunks
-    and no split given: two launches, decided apart as the Triton kernel's are (short queries like decode, tail
-    balance included; chunks only when their programs cannot fill the GPU); a split given: one plan for both."""
+    kernel. Short queries alone: one launch, the heuristic over its query blocks × KV heads, its segments rounded to
+    a power of two (one program an SM runs in waves of the SMs: docs/performance.md#split-kv-heuristic). With
+    prefill chunks and no split given: two launches, decided apart as the Triton kernel's are (short queries like
+    decode, tail balance included; chunks only when their programs cannot fill the GPU); a split given: one plan
+    for both."""
     block_n = mosaic_paged.BLOCK_N
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     block_q = mosaic_paged.query_block_tokens(max_query_len, q.shape[1] // num_kv_heads)  # the largest launch's
     keys = keys_read(block_tables, k_cache, mods, block_q, block_n)
     short_splits = None
     if max_query_len > mosaic_paged.SHORT_QUERY_LEN and num_splits is None and split_size is None:
-        short_splits = config_lib.resolve_splits(num_seqs * num_kv_heads, keys, block_n, None, None)
+        short_splits = config_lib.resolve_splits(num_seqs * num_kv_heads, keys, block_n, None, None,
+                                                 pow2_segments=True)
         splits = config_lib.choose_num_splits(pl.cdiv(q.shape[0], block_q) * num_kv_heads, keys, block_n)
     else:
         work_blocks = max(num_seqs, pl.cdiv(q.shape[0], block_q))
         splits, split_size = config_lib.resolve_splits(work_blocks * num_kv_heads, keys, block_n, num_splits,
-                                                       split_size)
+                                                       split_size, pow2_segments=True)
     if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_cache.shape[0]):
         return common.no_rows(*q.shape, q.dtype, return_lse)  # no token, request or page: no key, no kernel
     run = functools.partial(mosaic_paged.paged_attention_mosaic, max_query_len=max_query_len, scale=scale,
