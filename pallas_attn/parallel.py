@@ -200,7 +200,7 @@ def cross_device_merge(out, lse, axis: str, *, merge: str = "all_gather"):
     if merge != "psum":
         raise ValueError(f"{merge=} must be 'all_gather' or 'psum'")
     m = jax.lax.pmax(lse, axis)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    m_safe = softmax.safe_max(m)
     w = jnp.exp(lse - m_safe)  # 0 on a device without keys
     num = jax.lax.psum(jnp.where((w > 0)[..., None], w[..., None] * out.astype(jnp.float32), 0.0), axis)
     den = jax.lax.psum(w, axis)

@@ -76,11 +76,17 @@ def softmax_update_packed(m, l, s2, dtype, chunks: int, exp2=jnp.exp2, scale=Non
     return m_new, alpha, jnp.concatenate(packed, axis=1), l_new
 
 
+def safe_max(m):
+    """The running max ``m [M]`` with -inf (a row that has seen no key) as 0: exponents ``x - safe_max(m)`` are then
+    -inf for such a row, never ``-inf - -inf`` (NaN)."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
 def _new_max(m, s2, exp2, scale):
     """``(m_new, m_safe, alpha)`` for :func:`softmax_update`: the running max, its NaN-safe twin and the rescale."""
     row_max = jnp.max(s2, axis=1)
     m_new = jnp.maximum(m, row_max if scale is None else row_max * scale)
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet: exponents against 0
+    m_safe = safe_max(m_new)  # a row with no visible key yet: exponents against 0
     return m_new, m_safe, exp2(m - m_safe)  # alpha [M]: 0 for a row's first visible tile (m = -inf)
 
 
@@ -155,7 +161,7 @@ def with_sink(m, l, sink2=None):
     accumulator is 0, so its output stays 0."""
     if sink2 is None:
         return l
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    m_safe = safe_max(m)
     return l + jnp.exp2(sink2 - m_safe)
 
 
@@ -195,7 +201,7 @@ def fold_split_states(num_splits: int, lse_at, out_at, lse_shape: tuple, out_sha
     Returns ``(out [..., D] float32, lse [...] float32)``."""
     m = loop(num_splits, lambda s, m: jnp.maximum(m, lse_at(s).astype(jnp.float32)),
              jnp.full(lse_shape, -jnp.inf, jnp.float32))
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    m_safe = safe_max(m)
 
     def fold(s, carry):
         num, den = carry
@@ -238,7 +244,7 @@ def merge_states(a, b):
     one: each rescaled to the larger max. A row that saw no key in either stays 0 with ``m = -inf``."""
     (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
     m = jnp.maximum(m_a, m_b)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    m_safe = safe_max(m)
     alpha, beta = jnp.exp2(m_a - m_safe), jnp.exp2(m_b - m_safe)
     acc = acc_a * jax.lax.broadcast_in_dim(alpha, acc_a.shape, [0]) + \
         acc_b * jax.lax.broadcast_in_dim(beta, acc_b.shape, [0])
