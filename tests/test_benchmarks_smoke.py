@@ -414,6 +414,19 @@ def test_lab_ab_against_another_checkout(tmp_path, monkeypatch, capsys):
     assert sys.modules["pallas_attn"] is pallas_attn
 
 
+def test_lab_program_cost(tmp_path, monkeypatch):
+    """``benchmarks.lab.program_cost --tiny``: a row per backend and tile count, a line fitted through them, the
+    JSON written as it goes."""
+    from benchmarks.lab import program_cost
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert program_cost.main(["--tiny", "--backends", "triton"]) == 0
+    doc = json.loads((tmp_path / "program-cost.json").read_text())
+    assert [(r["backend"], r["tiles"]) for r in doc["rows"]] == [("triton", 1), ("triton", 2)]
+    assert all(math.isfinite(r["median_us"]) and r["median_us"] > 0 for r in doc["rows"])
+    assert set(doc["fits"]) == {"triton"} and math.isfinite(doc["fits"]["triton"]["program_fixed_us"])
+
+
 def test_model_grid(tmp_path):
     """``--family models``: the model-shaped grid (decode batch × context per model, causal prefill batches,
     bidirectional encoder prefill) within its K/V memory cap; a bidirectional cell counts every pair and its rows

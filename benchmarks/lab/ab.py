@@ -105,7 +105,8 @@ def main(argv=None) -> int:
         print(f"{s.id}: A {metric[0]:.4g}/{metric[3]:.4g}  B {metric[1]:.4g}/{metric[2]:.4g} {unit}  "
               f"B/A {100 * (bb / a - 1):+.2f}%  (inner {inner}, rel L2 {err if err is None else f'{err:.1e}'})",
               flush=True)
-    common.write_json(args.json, dict(a=args.a, a_tree=args.a_tree or None, b=args.b, rows=rows))
+        # after every row: a run cut by its time limit keeps what it measured
+        common.write_json(args.json, dict(a=args.a, a_tree=args.a_tree or None, b=args.b, rows=rows))
     return 0
 
 
