@@ -329,10 +329,9 @@ def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits:
     * ``num_splits`` given: each request's own tiles shared out evenly among that many segments.
     * neither: :func:`choose_num_splits` (``programs_per_sm`` passed on); when it splits, it uses fixed segments
       of equal length (so a long request gets more segments than a short one and the programs carry equal work),
-      with ``pow2_segments`` rounded to the nearest power of two (for a kernel of one program an SM, whose
-      programs then come in powers of two: full waves on 132 SMs where 17 segments of a power-of-two context left
-      a wave of a few programs; docs/performance.md#split-kv-heuristic). A batch that already fills the GPU gets
-      :func:`balance_split_size` segments when its capacity leaves a long tail.
+      with ``pow2_segments`` rounded to the nearest power of two (a kernel of one program an SM runs its programs
+      in waves: power-of-two counts fill them; docs/performance.md#split-kv-heuristic). A batch that already fills
+      the GPU gets :func:`balance_split_size` segments when its capacity leaves a long tail.
 
     ``max_kv_len`` is the static capacity (``max_blocks * block_size``), not the data: heuristics never sync.
     """
@@ -353,6 +352,6 @@ def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits:
     size = math.ceil(math.ceil(max_kv_len / splits) / block_n) * block_n
     if pow2_segments:  # the nearest power of two (log scale), no shorter than a tile, at most max_splits segments
         size = max(block_n, 1 << round(math.log2(size)))
-        while math.ceil(max_kv_len / size) > max(splits, MAX_SPLITS):
+        while math.ceil(max_kv_len / size) > MAX_SPLITS:
             size *= 2
     return max(1, math.ceil(max_kv_len / size)), size
