@@ -14,29 +14,27 @@ which pays it once an SM, could save. JSON to ``$OUT/program-cost.json`` as it g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 import pallas_attn
+from benchmarks import workloads as wl
 from benchmarks.lab import common
 
 TILE = 64  # keys a tile of both paged kernels' decode steps reads
 
 
-def _batch(num_seqs: int, context: int, block_size: int, num_kv_heads: int, group: int, head_dim: int, key):
-    """Decode inputs: ``num_seqs`` requests of ``context`` keys each over a shuffled page pool (no page shared)."""
-    pages = math.ceil(context / block_size)
-    kq, kk, kv, kp = jax.random.split(key, 4)
-    shape = (num_seqs * pages, block_size, num_kv_heads, head_dim)
-    k_cache = jax.random.normal(kk, shape, jnp.bfloat16)
-    v_cache = jax.random.normal(kv, shape, jnp.bfloat16)
-    tables = jax.random.permutation(kp, num_seqs * pages).reshape(num_seqs, pages).astype(jnp.int32)
-    q = jax.random.normal(kq, (num_seqs, num_kv_heads * group, head_dim), jnp.bfloat16)
-    return q, k_cache, v_cache, tables, jnp.full((num_seqs,), context, jnp.int32)
+def _batch(num_seqs: int, context: int, args) -> wl.Batch:
+    """The harness's decode batch (D1's layout: shuffled pages, no page shared) of ``num_seqs`` requests of
+    ``context`` keys each."""
+    spec = dataclasses.replace(wl.WORKLOADS["D1"], id=f"cost-{context}", what=f"{num_seqs} requests of {context} keys",
+                               groups=(wl.Group((context,) * num_seqs, 1),), num_kv_heads=args.kv_heads,
+                               num_q_heads=args.kv_heads * args.group, head_dim=args.head_dim,
+                               block_size=args.block_size)
+    return common.batch(spec)
 
 
 def main(argv=None) -> int:
@@ -56,19 +54,14 @@ def main(argv=None) -> int:
     backends = [b for b in args.backends.split(",") if b]
     sms = pallas_attn.core.backend.num_sms()
     num_seqs = math.ceil(args.waves * sms / args.kv_heads)
-    interpret = None
-    if args.tiny:  # two requests of one or two tiles, interpreted
-        num_seqs, args.kv_heads, args.tiles, args.unroll, args.reps, interpret = 2, 2, "1,2", 1, 1, True
+    if args.tiny:  # two requests of one or two tiles (interpreted on a CPU)
+        num_seqs, args.kv_heads, args.tiles, args.unroll, args.reps = 2, 2, "1,2", 1, 1
     rows, fits = [], {}
     for n in [int(t) for t in args.tiles.split(",")]:
-        x = _batch(num_seqs, n * TILE, args.block_size, args.kv_heads, args.group, args.head_dim, jax.random.key(n))
-
-        def call(backend):
-            return jax.jit(lambda q, kc, vc, bt, sl: pallas_attn.paged_decode_attention(
-                q, kc, vc, bt, sl, num_splits=1, backend=backend, interpret=interpret))
-
-        fns = [call(b) for b in backends]
-        if args.unroll > 1:  # the block tables get the traced zero: XLA merges none of the calls
+        batch = _batch(num_seqs, n * TILE, args)
+        prepared = [common.prepared(batch, f"backend={b},num_splits=1") for b in backends]
+        fns, x = [p.fn for p in prepared], prepared[0].args[0]
+        if args.unroll > 1:  # the first integer array gets the traced zero: XLA merges none of the calls
             fns = [common.unrolled(f, x, args.unroll) for f in fns]
         times = common.interleaved(fns, x, reps=args.reps, inner=2 if args.tiny else 10)
         for b, t in zip(backends, times):
