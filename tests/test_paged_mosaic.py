@@ -8,6 +8,7 @@ rows NaN. Each case has a hard time limit: an interpreted deadlock fails the tes
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -164,8 +165,17 @@ def test_corrupt_request_stays_alone(name, corrupt, fp8, rng):
 @given(data=st.data())
 def test_any_tables_and_lengths(data):
     """Whatever the lengths and table entries, a request whose own inputs are clean is bit-identical to a clean run
-    and finite, and every output follows the reference's rule."""
+    and finite, and every output follows the reference's rule; also when one or two programs run every request's
+    items one after another through the same K/V slots."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    programs = data.draw(st.sampled_from([None, 1, 2]))
+    if programs is not None:
+        with mock.patch.object(mosaic_paged, "persistent_programs", lambda num_items, head_dim: programs):
+            return _any_tables_and_lengths(data, rng)
+    return _any_tables_and_lengths(data, rng)
+
+
+def _any_tables_and_lengths(data, rng):
     lens = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=3))
     kc, vc, bt = make_paged_kv(rng, lens, 8, 1, 64, BF16, max_blocks=6)
     q = jnp.asarray(rng.standard_normal((len(lens), 2, 64)), BF16)
@@ -334,6 +344,89 @@ def test_query_blocks_bound_every_batch():
             tokens = num_seqs * q_len
             need = num_seqs * -(-q_len // bq)
             assert mosaic_paged.num_query_blocks(tokens, num_seqs, bq) >= need
+
+
+# programs loop over items: (scenario, programs). Two compute warpgroups (head dim 128) turn on across items with an
+# odd tile count; splits, a window and a chunk beside decodes; FP8 pages in both scale modes
+FEW_PROGRAMS = {
+    "d128_two_wgs_odd_tiles": (SCENARIOS["chunk_gqa3_bs32_d128"], 2),
+    "d128_splits_empty": (SCENARIOS["decode_mha_bs128_splits"], 3),
+    "window_split_size_long": (SCENARIOS["window_split_size_long"], 2),
+    "two_launches_short_split": (SCENARIOS["two_launches_short_split"], 3),
+    "d256_mqa_fp16": (SCENARIOS["d256_mqa_fp16"], 1),
+}
+
+
+@pytest.mark.parametrize("name", FEW_PROGRAMS)
+def test_few_programs_loop_over_items(name, rng, monkeypatch):
+    """With fewer programs than items each program runs several, its K/V slots turning on from one item to the
+    next (the memory warpgroup loads the next item's tiles while the last ones are computed): the reference still,
+    every output row written."""
+    (q_lens, seq_lens, bs, hq, hkv, d, kw), programs = FEW_PROGRAMS[name]
+    monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim: min(programs, num_items))
+    kw = dict(kw)
+    dtype = kw.pop("dtype", BF16)
+    args = _inputs(rng, q_lens, seq_lens, bs, hq, hkv, d, dtype)
+    kw = _features(rng, hq, kw)
+    out, lse = paged_attention(*args, max_query_len=max(q_lens), return_lse=True, **kw, **MOSAIC)
+    for split in ("num_splits", "split_size"):
+        kw.pop(split, None)
+    ref_out, ref_lse = reference.paged_attention(*args, return_lse=True, **kw)
+    n = int(sum(q_lens))
+    assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
+    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode, d", [("tensor", 128), ("token", 64)])
+def test_few_programs_fp8(mode, d, rng, monkeypatch):
+    """FP8 pages (each widened by the warpgroup that computes its tile) with two programs looping over items."""
+    monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim: min(2, num_items))
+    q_lens, seq_lens = [1, 5, 1], [130, 70, 1]
+    q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, 16, 4, 2, d, BF16)
+    kc8, vc8, scales = _fp8_cache(rng, kc.astype(jnp.float32), vc.astype(jnp.float32), jnp.float8_e4m3fn, mode)
+    args = (q, kc8, vc8, bt, sl, cu)
+    out = paged_attention(*args, max_query_len=5, num_splits=2, **scales, **MOSAIC)
+    ref = reference.paged_attention(*args, **scales)
+    assert_attention_close(out, ref, dtype=BF16, valid_rows=int(sum(q_lens)))
+
+
+def test_item_order_deals_longest_first():
+    """Every live item once, none twice; each program's items longest first; round 0 gives the longest items to
+    programs 0, 1, ... and round 1 the next ones back from the last program (snake order); padding is -1."""
+    from pallas_attn.core import masks
+
+    seq_lens = jnp.asarray([64 * 9, 64 * 2 + 1, 64 * 5, 1, 64 * 7], jnp.int32)
+    cu = jnp.arange(6, dtype=jnp.int32)  # one token each
+    block_req = jnp.asarray([0, 1, 2, 3, 4, -1, -1], jnp.int32)
+    block_first = jnp.zeros(7, jnp.int32)
+    hkv, programs = 2, 4
+    order = np.asarray(mosaic_paged.item_order(
+        block_req, block_first, cu, seq_lens, num_kv_heads=hkv, num_programs=programs, block_q=1, capacity=1024,
+        num_splits=1, split_size=None, mods=masks.NO_MODS))
+    live = [p * hkv + h for p in range(5) for h in range(hkv)]
+    assert sorted(order[order >= 0].tolist()) == live
+    assert len(order) % programs == 0 and np.all(order[len(live):] == -1)
+    tiles_of = {0: 9, 1: 3, 2: 5, 3: 1, 4: 7}
+    cost = lambda it: tiles_of[it // hkv] if it >= 0 else -1  # noqa: E731
+    rounds = order.reshape(-1, programs)
+    assert [cost(it) for it in rounds[0]] == [9, 9, 7, 7]
+    assert [cost(it) for it in rounds[1]] == [3, 3, 5, 5]  # back from the last program
+    for g in range(programs):
+        mine = [cost(it) for it in rounds[:, g]]
+        assert mine == sorted(mine, reverse=True)
+    # a program an item: the grid's order, query blocks fastest
+    grid = np.asarray(mosaic_paged.item_order(
+        block_req, block_first, cu, seq_lens, num_kv_heads=hkv, num_programs=14, block_q=1, capacity=1024,
+        num_splits=1, split_size=None, mods=masks.NO_MODS))
+    assert grid.tolist() == [p * hkv + h for h in range(hkv) for p in range(7)]
+
+
+def test_persistent_only_at_head_dim_64():
+    """Head dim 64 loops over items on at most two programs an SM; 128 and 256 run a program an item."""
+    sms = mosaic_paged.backend.num_sms()
+    assert mosaic_paged.persistent_programs(10_000, 64) == 2 * sms
+    assert mosaic_paged.persistent_programs(7, 64) == 7
+    assert mosaic_paged.persistent_programs(10_000, 128) == mosaic_paged.persistent_programs(10_000, 256) == 10_000
 
 
 @pytest.mark.gpu

@@ -5,10 +5,14 @@ of many requests in one call over a paged K/V cache — for the backend JAX keep
 deprecated since JAX 0.11). :func:`pallas_attn.paged_attention` and :func:`pallas_attn.paged_decode_attention`
 run it with ``backend="mosaic"``, and by default where the Pallas Triton backend is gone.
 
-* grid ``(query blocks, Hkv, splits)``. A query block is ``block_q`` tokens of one request × the ``group`` query
-  heads of one KV head, ``block_q · group <= 64`` rows: the M dim of both wgmmas, so each K/V tile is read once for
-  all of them (a decode step's GQA group, a verification's draft tokens). The static number of blocks bounds any
-  batch of the bucketed shapes (no host sync, no recompilation); blocks past the batch's last exit at once.
+* work items ``(query block, KV head, split)``. A query block is ``block_q`` tokens of one request × the ``group``
+  query heads of one KV head, ``block_q · group <= 64`` rows: the M dim of both wgmmas, so each K/V tile is read
+  once for all of them (a decode step's GQA group, a verification's draft tokens). The static number of blocks
+  bounds any batch of the bucketed shapes (no host sync, no recompilation); blocks past the batch's last are no
+  work. A program loops over items in the order :func:`item_order` gives it, its K/V slots turning on from one
+  item to the next, so the memory warpgroup loads the next item's first tiles while the compute warpgroups finish
+  the last one's. At head dim 64 the grid is **persistent** (:func:`persistent_programs`): as many programs as the
+  GPU holds at once, the items dealt longest first; at 128 and 256 a program an item.
 * warpgroups: one for memory, one or two for compute (:func:`compute_wgs`). The **memory** warpgroup reads the block
   table in the kernel and brings each 64-key tile of K and V into a ring of shared-memory slots with TMA, in copies
   of ``gcd(block_size, 64)`` rows (:func:`copy_rows`): one a tile for pages of a multiple of 64, one a page for 8,
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +66,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_attn.core import config as config_lib, masks, metadata, softmax, tiles
+from pallas_attn.core import backend, config as config_lib, masks, metadata, softmax, tiles
 from pallas_attn.kernels.mosaic import columns
 
 BLOCK_M = 64  # rows of a query block (tokens × group): one wgmma M tile
@@ -121,6 +126,48 @@ def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
     """A static bound on the query blocks of any batch: Σ_b cdiv(q_len_b, block_q) <= (T + S·(block_q - 1)) /
     block_q, since Σ_b q_len_b <= T (``cu_query_lens`` is clamped: :func:`pallas_attn.core.metadata.clamp_cu`)."""
     return max(1, (num_tokens + num_seqs * (block_q - 1)) // block_q)
+
+
+def persistent_programs(num_items: int, head_dim: int) -> int:
+    """Programs of a launch. At head dim 64, where two programs share an SM and a 16 KB tile leaves a program's
+    fixed cost (its query, its pipeline's fill, its output) the most weight, as many as the GPU holds at once, each
+    looping over its share of the items; at 128 and 256 one program an item, where looping measured slower
+    (docs/performance.md#persistent-programs)."""
+    if head_dim != 64:
+        return max(1, num_items)
+    return max(1, min(num_items, backend.num_sms() * 2))
+
+
+def item_order(block_req, block_first, cu_query_lens, seq_lens, *, num_kv_heads: int, num_programs: int,
+               block_q: int, capacity: int, num_splits: int, split_size: int | None, mods: masks.ScoreMods):
+    """``i32[rounds · num_programs]``: entry ``r · num_programs + g`` is the item program ``g`` runs in its round
+    ``r`` (-1: none). Items (query block × KV head × split, split fastest) are dealt longest first, by key tiles,
+    in snake order (round 0 to programs 0, 1, ..., round 1 back from the last), so that programs finish together
+    whatever the mix of lengths; items past the batch's last block come last. Traceable: the order is data, the
+    kernel the same for every batch of the bucketed shapes. With a program an item, the grid's own order (query
+    blocks fastest, then KV heads, then splits), as a ``(blocks, Hkv, splits)`` grid dispatches them."""
+    num_items = block_req.shape[0] * num_kv_heads * num_splits
+    if num_programs >= num_items:
+        launch = jnp.arange(num_programs, dtype=jnp.int32)
+        p, h, s = launch % block_req.shape[0], launch // block_req.shape[0] % num_kv_heads, \
+            launch // (block_req.shape[0] * num_kv_heads)
+        return jnp.where(launch < num_items, (p * num_kv_heads + h) * num_splits + s, -1)
+    splits = jnp.arange(num_splits, dtype=jnp.int32)
+
+    def item_tiles(req, first, split):
+        return _item_plan(cu_query_lens, seq_lens, req, first, split, block_q=block_q, capacity=capacity,
+                          num_splits=num_splits, split_size=split_size, mods=mods)[-1]
+
+    tiles_n = jax.vmap(jax.vmap(item_tiles, (None, None, 0)), (0, 0, None))(block_req, block_first, splits)
+    cost = jnp.where((block_req >= 0)[:, None], tiles_n + 1, 0)  # + 1: an item costs something with no tiles
+    cost = jnp.broadcast_to(cost[:, None, :], (block_req.shape[0], num_kv_heads, num_splits)).reshape(-1)
+    rounds = pl.cdiv(num_items, num_programs)
+    ranked = jnp.argsort(-cost, stable=True).astype(jnp.int32)
+    ranked = jnp.where(cost[ranked] > 0, ranked, -1)
+    rank = jnp.arange(num_items, dtype=jnp.int32)
+    r, g = rank // num_programs, rank % num_programs
+    g = jnp.where(r % 2 == 0, g, num_programs - 1 - g)
+    return jnp.full((rounds * num_programs,), -1, jnp.int32).at[r * num_programs + g].set(ranked)
 
 
 def fp8_tile_cols(head_dim: int) -> int:
@@ -185,10 +232,42 @@ def _tile_pages(table_ref, table_base, j, seq_len, key_lo, *, block_size: int, m
     return pages
 
 
-def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref,
-            *refs, group: int, block_q: int, rows_pad: int, max_blocks: int, block_size: int, slots: int,
+class _Item(NamedTuple):
+    """One work item of a program: query block ``p`` × KV head × split, and its key tiles ``[tile_start, kv_end)``
+    (``num_tiles`` of them; 0 for an item past the batch's last block)."""
+    p: jax.Array
+    kv_head: jax.Array
+    split: jax.Array
+    live: jax.Array
+    b: jax.Array
+    first: jax.Array
+    q_start: jax.Array
+    q_len: jax.Array
+    seq_len: jax.Array
+    q_first: jax.Array
+    plan: tuple  # paged_tile_plan's (tile_start, full_start, full_end, kv_end, kv_first)
+    num_tiles: jax.Array
+
+
+def _item_plan(cu_query_lens, seq_lens, req, first, split, *, block_q: int, capacity: int, num_splits: int,
+               split_size: int | None, mods: masks.ScoreMods):
+    """``(q_start, q_len, seq_len, q_first, plan, num_tiles)`` of the query block of request ``req`` (-1: none) whose
+    first token is ``first``, split ``split``: its key tiles by :func:`pallas_attn.core.tiles.paged_tile_plan`.
+    The kernel's programs and the wrapper's item order (:func:`item_order`) both count tiles with it."""
+    b = jnp.maximum(req, 0)
+    q_start, q_len, seq_len, context, _ = tiles.query_block_frame(cu_query_lens, seq_lens, b, first, 0, capacity)
+    q_first = context + first
+    q_last = context + jnp.minimum(first + block_q, q_len) - 1
+    plan = tiles.paged_tile_plan(q_first, q_last, seq_len, BLOCK_N, split, num_splits, split_size, mods,
+                                 guarded=False)
+    count = jnp.where(req >= 0, jnp.maximum(plan[3] - plan[0], 0), 0)
+    return q_start, q_len, seq_len, q_first, plan, count
+
+
+def _kernel(order_ref, block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, table_ref, q_ref, k_ref,
+            v_ref, *refs, group: int, block_q: int, rows_pad: int, max_blocks: int, block_size: int, slots: int,
             num_splits: int, split_size: int | None, scale: float, mods: masks.ScoreMods, scale_mode: str | None,
-            band_tiles: int, wgs: int, compiled: bool):
+            band_tiles: int, wgs: int, num_programs: int, rounds: int, compiled: bool):
     # refs: [features f32[Hkv, FEATURE_ROWS, 64]] (ALiBi slopes / sinks by row), [FP8: f32[T], each token's raw
     # scores' factor], [per-token scales: i32[S] each request's first band tile, the K and V scale bands f32[S, Hkv,
     # band_tiles * 64] (:func:`scale_bands`)], o, lse, the scratch
@@ -201,50 +280,74 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
     o_ref, lse_ref, scoped = refs
     (q_smem, stage, k_smem, v_smem, lse_smem, feat_smem, p_smem, (k16, v16), (ks_smem, vs_smem), merge_smem), \
         (q_bar, k_bar, v_bar), (k_free, v_free), (q_ready, merged) = scoped
-    p, kv_head, split = lax.axis_index("block"), lax.axis_index("heads"), lax.axis_index("split")
-    wg = lax.axis_index("wg")
+    program, wg = lax.axis_index("program"), lax.axis_index("wg")
     dtype = q_ref.dtype
     pv_dtype = jnp.bfloat16 if per_token else dtype  # per-token V rows carry their scales: bf16's range
     head_dim = q_ref.shape[-1]
+    num_kv_heads = q_ref.shape[1]
     num_pages = k_ref.shape[0]
-
-    req = block_req_ref[p]
-    live = req >= 0
-    b = jnp.maximum(req, 0)
-    first = block_first_ref[p]
-    q_start, q_len, seq_len, context, _ = tiles.query_block_frame(cu_query_lens_ref, seq_lens_ref, b, first, 0,
-                                                                  max_blocks * block_size)
-    q_first = context + first
-    q_last = context + jnp.minimum(first + block_q, q_len) - 1
-    tile_start, full_start, full_end, kv_end, kv_first = tiles.paged_tile_plan(
-        q_first, q_last, seq_len, BLOCK_N, split, num_splits, split_size, mods, guarded=False)
-    key_lo = jnp.int32(0) if kv_first is None else kv_first  # the block's first readable key
-    pages = functools.partial(_tile_pages, table_ref, b * max_blocks, seq_len=seq_len, key_lo=key_lo,
-                              block_size=block_size, max_blocks=max_blocks, num_pages=num_pages)
-
-    def slot_of(j):
-        return lax.rem(j - tile_start, jnp.int32(slots))
-
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector of the score rows: m, l, per-row factors
 
-    def _finish(state):
-        """Warpgroup 0: the (merged) state normalised, the output tile and its LSE stored."""
-        sink2 = None
-        if mods.sinks and num_splits == 1:  # split partials leave the sink to their merge
-            sink2 = plgpu.load(feat_smem.at[1], layout=row_layout) * softmax.LOG2E
-        out, lse = softmax.finalize(state, sink2)
-        # the output tile: into Q's (its last readers, each warpgroup's last Q Kᵀ, have completed), or per token into
-        # the widened V tile's (bf16, as the output is: the values' own scale)
-        out_smem = v16.at[0] if per_token else q_smem
-        out_smem[...] = out.astype(out_smem.dtype)
-        lse_smem[...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows_pad)], o_ref.at[split, p, kv_head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_pad)], lse_ref.at[split, p, kv_head])
-        plgpu.wait_smem_to_gmem(0)
+    def item_at(r):
+        """The item of this program's round ``r`` (:func:`item_order`; -1: none)."""
+        it = order_ref[r * num_programs + program]
+        live = it >= 0
+        it = jnp.maximum(it, 0)
+        split = lax.rem(it, jnp.int32(num_splits))
+        kv_head = lax.rem(lax.div(it, jnp.int32(num_splits)), jnp.int32(num_kv_heads))
+        p = lax.div(it, jnp.int32(num_splits * num_kv_heads))
+        req = jnp.where(live, block_req_ref[p], -1)
+        first = block_first_ref[p]
+        q_start, q_len, seq_len, q_first, plan, count = _item_plan(
+            cu_query_lens_ref, seq_lens_ref, req, first, split, block_q=block_q, capacity=max_blocks * block_size,
+            num_splits=num_splits, split_size=split_size, mods=mods)
+        return _Item(p, kv_head, split, req >= 0, jnp.maximum(req, 0), first, q_start, q_len, seq_len, q_first,
+                     plan, count)
 
-    @pl.when(live & (wg < wgs))
-    def _compute():
+    def over_items(body):
+        """``body(item, base)`` for each live item of this program in its order; ``base`` counts the key tiles of
+        the items before it, which fixes each tile's slot (the ring turns on across items)."""
+        def one(r, base):
+            item = item_at(r)
+            pl.when(item.live)(functools.partial(body, item, base))
+            return base + item.num_tiles
+
+        return lax.fori_loop(0, rounds, one, jnp.int32(0))
+
+    def tile_index(item, base, j):
+        """Key tile ``j`` of ``item`` in the program's sequence of tiles (slot: that mod ``slots``)."""
+        return base + j - item.plan[0]
+
+    def pages_of(item):
+        key_lo = jnp.int32(0) if item.plan[4] is None else item.plan[4]
+        return key_lo, functools.partial(_tile_pages, table_ref, item.b * max_blocks, seq_len=item.seq_len,
+                                         key_lo=key_lo, block_size=block_size, max_blocks=max_blocks,
+                                         num_pages=num_pages)
+
+    def compute_item(item, base):
+        p, kv_head, split, first = item.p, item.kv_head, item.split, item.first
+        q_start, q_len, seq_len, q_first = item.q_start, item.q_len, item.seq_len, item.q_first
+        tile_start, full_start, full_end, kv_end, _ = item.plan
+        key_lo, pages = pages_of(item)
+
+        def _finish(state):
+            """Warpgroup 0: the (merged) state normalised, the output tile and its LSE stored."""
+            sink2 = None
+            if mods.sinks and num_splits == 1:  # split partials leave the sink to their merge
+                sink2 = plgpu.load(feat_smem.at[1], layout=row_layout) * softmax.LOG2E
+            out, lse = softmax.finalize(state, sink2)
+            # the output tile: into Q's (its last readers, each warpgroup's last Q Kᵀ, have completed), or per token
+            # into the widened V tile's (bf16, as the output is: the values' own scale)
+            out_smem = v16.at[0] if per_token else q_smem
+            out_smem[...] = out.astype(out_smem.dtype)
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows_pad)], o_ref.at[split, p, kv_head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_pad)], lse_ref.at[split, p, kv_head])
+            # the next item's query lands where this one's output leaves from: wait until the copies have read it
+            # (their writes to global memory complete on their own, as in JAX's persistent Hopper matmul)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
         @pl.when(wg == 0)
         def _load_query():
             if feat_ref is not None:
@@ -258,7 +361,7 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                 pl.when(tok >= q_len)(functools.partial(plgpu.barrier_arrive, q_bar))
             plgpu.barrier_wait(q_bar)
             # into the swizzled wgmma layout. Unoptimized: Mosaic GPU's layout search plans an optimized load of an
-            # untiled [64, 256] buffer for minutes (jax 0.11.2); one load per kernel, its speed does not matter
+            # untiled [64, 256] buffer for minutes (jax 0.11.2); one load an item, its speed does not matter
             q_smem[...] = plgpu.load(stage, layout=plgpu.Layout.WGMMA, optimized=False)
             plgpu.commit_smem()
             if wgs > 1:  # the other compute warpgroup reads Q (and the feature rows) once they are in place
@@ -325,8 +428,7 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
 
         def step(j, state, masked: bool):
             acc, m_i, l_i = state
-            slot = slot_of(j)
-            refilled = j + slots < kv_end
+            slot = lax.rem(tile_index(item, base, j), jnp.int32(slots))
             tile_pages = pages(j)
             plgpu.barrier_wait(k_bar.at[slot])
             k_tile = k_smem.at[slot]
@@ -334,7 +436,7 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
                 k_tile = widen(k_tile, k16_wg)
                 if per_token:  # each key's scale, by column (read before the slot is refilled)
                     key_scales = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+                plgpu.barrier_arrive(k_free.at[slot])
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
@@ -342,7 +444,7 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
 
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, BLOCK_N), jnp.float32))
             if not fp8:
-                pl.when(refilled)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+                plgpu.barrier_arrive(k_free.at[slot])
             if fp8:  # K scale over the query's power-of-two shift: q · k as the cache means it, in float32
                 s = s * lax.broadcast_in_dim(k_factor, s.shape, [0])
                 if per_token:  # and each key's own
@@ -369,7 +471,7 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
             v_slot = v_smem.at[slot]
             if fp8:
                 v_slot = widen(v_slot, v16_wg, vs_smem.at[slot] if per_token else None)
-                pl.when(refilled)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
+                plgpu.barrier_arrive(v_free.at[slot])
             whole = (j * BLOCK_N >= key_lo) & ((j + 1) * BLOCK_N <= seq_len)
             whole = functools.reduce(lambda w, page: w & page[3], tile_pages, whole)
 
@@ -394,13 +496,14 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
 
                 acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
             if not fp8:
-                pl.when(refilled)(lambda: plgpu.barrier_arrive(v_free.at[slot]))
+                plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_i, l_i
 
-        # warpgroup w takes the tiles w, w + wgs, ... of the program's (slots w, w + wgs, ...: each slot is released
-        # by one warpgroup); the second's state joins the first's through shared memory
+        # warpgroup w takes every wgs-th tile of the program's sequence (a slot is released by one warpgroup); the
+        # second's state joins the first's through shared memory
+        phase = lax.rem(wg - lax.rem(base, jnp.int32(wgs)) + wgs, jnp.int32(wgs))
         state = softmax.kv_loop((acc, m_i, l_i), tile_start, full_end, kv_end, step, full_start, stride=wgs,
-                                phase=wg)
+                                phase=phase)
         if wgs > 1:
             acc_smem, m_smem, l_smem = merge_smem
 
@@ -419,33 +522,46 @@ def _kernel(block_req_ref, block_first_ref, cu_query_lens_ref, seq_lens_ref, tab
         else:
             _finish(state)
 
-    @pl.when(live & (wg == wgs))
+    @pl.when(wg < wgs)
+    def _compute():
+        over_items(compute_item)
+
+    @pl.when(wg == wgs)
     def _memory():
         band = (k_band_ref, ks_smem), (v_band_ref, vs_smem)
 
-        def load(j, slot, k_ready=lambda: None, v_ready=lambda: None):
-            tile_pages = pages(j)
-            for cache, smem, bar, ready, (band_ref, scales_smem) in (
-                    (k_ref, k_smem, k_bar, k_ready, band[0]), (v_ref, v_smem, v_bar, v_ready, band[1])):
-                ready()
-                for i, (page, offset, n, ok) in enumerate(tile_pages):
-                    # a page not copied still arrives, with no bytes (a predicated copy, which the interpreter lacks)
-                    pl.when(ok)(functools.partial(plgpu.copy_gmem_to_smem, cache.at[page, pl.ds(offset, n), kv_head],
-                                                  smem.at[slot, pl.ds(i * n, n)], bar.at[slot]))
-                    pl.when(jnp.logical_not(ok))(functools.partial(plgpu.barrier_arrive, bar.at[slot]))
-                if per_token:  # the tile's 64 scales, contiguous in the band (a tile the band lacks is all masked)
-                    at = jnp.clip(j - band_first_ref[b], 0, band_tiles - 1) * BLOCK_N
-                    plgpu.copy_gmem_to_smem(band_ref.at[b, kv_head, pl.ds(at, BLOCK_N)], scales_smem.at[slot],
-                                            bar.at[slot])
+        def memory_item(item, base):
+            _, pages = pages_of(item)
 
-        for i in range(slots):
-            pl.when(tile_start + i < kv_end)(functools.partial(load, tile_start + i, i))
+            @pl.loop(item.plan[0], item.plan[3])
+            def _load(j):
+                t = tile_index(item, base, j)
+                slot = lax.rem(t, jnp.int32(slots))
+                tile_pages = pages(j)
+                for cache, smem, bar, free, (band_ref, scales_smem) in (
+                        (k_ref, k_smem, k_bar, k_free, band[0]), (v_ref, v_smem, v_bar, v_free, band[1])):
+                    # the slot's previous tile, of this item or an earlier one, has been read
+                    pl.when(t >= slots)(functools.partial(plgpu.barrier_wait, free.at[slot]))
+                    for i, (page, offset, n, ok) in enumerate(tile_pages):
+                        # a page not copied still arrives, with no bytes (a predicated copy, which the interpreter
+                        # lacks)
+                        pl.when(ok)(functools.partial(plgpu.copy_gmem_to_smem,
+                                                      cache.at[page, pl.ds(offset, n), item.kv_head],
+                                                      smem.at[slot, pl.ds(i * n, n)], bar.at[slot]))
+                        pl.when(jnp.logical_not(ok))(functools.partial(plgpu.barrier_arrive, bar.at[slot]))
+                    if per_token:  # the tile's 64 scales, contiguous in the band (a tile the band lacks is all masked)
+                        at = jnp.clip(j - band_first_ref[item.b], 0, band_tiles - 1) * BLOCK_N
+                        plgpu.copy_gmem_to_smem(band_ref.at[item.b, item.kv_head, pl.ds(at, BLOCK_N)],
+                                                scales_smem.at[slot], bar.at[slot])
 
-        @pl.loop(tile_start, jnp.maximum(kv_end - slots, tile_start))
-        def _refill(j):
-            slot = slot_of(j)
-            load(j + slots, slot, k_ready=lambda: plgpu.barrier_wait(k_free.at[slot]),
-                 v_ready=lambda: plgpu.barrier_wait(v_free.at[slot]))
+        total = over_items(memory_item)
+
+        # the releases of the last tiles, which no load waited for (the interpreter wants every arrival observed)
+        @pl.loop(jnp.maximum(total - slots, 0), total)
+        def _drain(t):
+            slot = lax.rem(t, jnp.int32(slots))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
 
 
 # -------------------------------------------------------------------------------------------- pallas_call
@@ -578,10 +694,16 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
         (plgpu.Barrier(num_barriers=slots),) * 2,
         (plgpu.Barrier(), plgpu.Barrier()) if wgs > 1 else (None, None),  # Q in place; the state handed over
     )
+    num_items = num_blocks * num_kv_heads * num_splits
+    num_programs = persistent_programs(num_items, head_dim)
+    order = item_order(block_req, block_first, cu_query_lens, seq_lens, num_kv_heads=num_kv_heads,
+                       num_programs=num_programs, block_q=block_q, capacity=max_blocks * block_size,
+                       num_splits=num_splits, split_size=split_size, mods=mods)
     body = functools.partial(
         _kernel, group=group, block_q=block_q, rows_pad=rows_pad, max_blocks=max_blocks, block_size=block_size,
         slots=slots, num_splits=num_splits, split_size=split_size, scale=scale, mods=mods, scale_mode=scale_mode,
-        band_tiles=extra[-1].shape[-1] // BLOCK_N if per_token else 0, wgs=wgs, compiled=not interpret)
+        band_tiles=extra[-1].shape[-1] // BLOCK_N if per_token else 0, wgs=wgs, num_programs=num_programs,
+        rounds=order.shape[0] // num_programs, compiled=not interpret)
 
     def paged_kernel(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -594,11 +716,11 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
         paged_kernel,
         out_type=[jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, rows_pad, head_dim), pv_dtype),
                   jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, rows_pad), jnp.float32)],
-        grid=(num_blocks, num_kv_heads, num_splits), grid_names=("block", "heads", "split"),
+        grid=(num_programs,), grid_names=("program",),
         num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret_params,
-    )(block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1),
+    )(order, block_req, block_first, cu_query_lens, seq_lens, block_tables.reshape(-1),
       q.reshape(num_tokens, num_kv_heads, group, head_dim), k_cache, v_cache, *extra)
 
     rows, owned = token_rows(cu_query_lens, cu_blocks, num_tokens, num_kv_heads, group, block_q, rows_pad)
