@@ -5,8 +5,9 @@ tiles (every request's context ``64·n`` keys, pages of ``--block-size``), ``n``
 programs (requests × KV heads) as fill ``--waves`` waves at one program an SM. Each backend's times are timed in
 interleaved rounds; a line through time against ``n`` gives, a wave, the fixed cost of a program (intercept /
 waves: its query, its pipeline's fill and drain, its output) and the cost of a tile (slope / waves). Where one
-program runs on an SM at a time (the Mosaic kernel at head dim 128), the fixed cost is what a persistent kernel,
-which pays it once an SM, could save. JSON to ``$OUT/program-cost.json`` as it goes.
+program runs on an SM at a time (the Mosaic kernel at head dim 128), the fixed cost is what a program that loops
+over items could save; at head dim 64 the Mosaic kernel's programs loop (docs/performance.md#persistent-programs),
+so its intercept is an item's cost inside a loop. JSON to ``$OUT/program-cost.json`` as it goes.
 
     python -m benchmarks.lab.program_cost --backends mosaic,triton --head-dim 128 --group 4 --waves 4
 """
