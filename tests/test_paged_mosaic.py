@@ -83,7 +83,12 @@ def _fp8_cache(rng, kc, vc, fmt, mode: str):
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_matches_reference(name, rng):
-    q_lens, seq_lens, bs, hq, hkv, d, kw = SCENARIOS[name]
+    _check_scenario(SCENARIOS[name], rng)
+
+
+def _check_scenario(scenario, rng):
+    """One of :data:`SCENARIOS` through the Mosaic kernel against the reference: outputs, LSE, padding rows."""
+    q_lens, seq_lens, bs, hq, hkv, d, kw = scenario
     kw = dict(kw)
     dtype = kw.pop("dtype", BF16)
     args = _inputs(rng, q_lens, seq_lens, bs, hq, hkv, d, dtype)
@@ -362,19 +367,9 @@ def test_few_programs_loop_over_items(name, rng, monkeypatch):
     """With fewer programs than items each program runs several, its K/V slots turning on from one item to the
     next (the memory warpgroup loads the next item's tiles while the last ones are computed): the reference still,
     every output row written."""
-    (q_lens, seq_lens, bs, hq, hkv, d, kw), programs = FEW_PROGRAMS[name]
+    scenario, programs = FEW_PROGRAMS[name]
     monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim: min(programs, num_items))
-    kw = dict(kw)
-    dtype = kw.pop("dtype", BF16)
-    args = _inputs(rng, q_lens, seq_lens, bs, hq, hkv, d, dtype)
-    kw = _features(rng, hq, kw)
-    out, lse = paged_attention(*args, max_query_len=max(q_lens), return_lse=True, **kw, **MOSAIC)
-    for split in ("num_splits", "split_size"):
-        kw.pop(split, None)
-    ref_out, ref_lse = reference.paged_attention(*args, return_lse=True, **kw)
-    n = int(sum(q_lens))
-    assert_attention_close(out, ref_out, dtype=dtype, valid_rows=n)
-    np.testing.assert_allclose(np.asarray(lse)[:n], np.asarray(ref_lse)[:n], rtol=1e-5, atol=1e-4)
+    _check_scenario(scenario, rng)
 
 
 @pytest.mark.parametrize("mode, d", [("tensor", 128), ("token", 64)])
