@@ -232,6 +232,31 @@ def test_two_launch_split_plan():
     assert seen["num_splits"] == 1
 
 
+@pytest.mark.parametrize("head_dim, balanced", [(64, False), (128, True)])
+def test_looping_programs_skip_the_tail_balance(head_dim, balanced, monkeypatch):
+    """A decode batch that fills the GPU (64 requests × 8 KV heads, 8k keys of capacity): the tail balance cuts it
+    into 2,048-key segments for a program an item (head dim 128); programs looping over items dealt longest first
+    (head dim 64) balance the tail themselves and take it whole."""
+    from pallas_attn.core import config
+    from pallas_attn.ops import paged as paged_op
+
+    seen = {}
+
+    def fake(*args, **kw):
+        seen.update(kw)
+        return jnp.zeros(args[0].shape, args[0].dtype), jnp.zeros(args[0].shape[:2], jnp.float32)
+
+    monkeypatch.setattr(config.backend, "num_sms", lambda: 132)
+    monkeypatch.setattr(mosaic_paged, "paged_attention_mosaic", fake)
+    q = jnp.zeros((64, 32, head_dim), BF16)
+    cache = jnp.zeros((64 * 512, 16, 8, head_dim), BF16)
+    tables, lens = jnp.zeros((64, 512), jnp.int32), jnp.full((64,), 8192, jnp.int32)
+    paged_op._mosaic(q, cache, cache, tables, lens, jnp.arange(65, dtype=jnp.int32), None, None, max_query_len=1,
+                     scale=1.0, mods=paged_op.masks.NO_MODS, num_splits=None, split_size=None, return_lse=False,
+                     interpret=True)
+    assert (seen["num_splits"], seen["split_size"]) == ((4, 2048) if balanced else (1, None))
+
+
 def test_decode_is_paged_attention_with_one_token(rng):
     """``paged_decode_attention`` and ``paged_attention`` with one token a request run the same kernel."""
     lens = [17, 90]

@@ -320,8 +320,8 @@ def balance_split_size(num_programs: int, max_kv_len: int, block_n: int, *, num_
 
 
 def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits: int | None,
-                   split_size: int | None, *, programs_per_sm: int = 2,
-                   pow2_segments: bool = False) -> tuple[int, int | None]:
+                   split_size: int | None, *, programs_per_sm: int = 2, pow2_segments: bool = False,
+                   tail_balance: bool = True) -> tuple[int, int | None]:
     """Static ``(num_splits, split_size)`` for a launch.
 
     * ``split_size`` given (tokens, a multiple of ``block_n``): fixed segments ``[s·split_size, (s+1)·split_size)``,
@@ -331,7 +331,9 @@ def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits:
       of equal length (so a long request gets more segments than a short one and the programs carry equal work),
       with ``pow2_segments`` rounded to the nearest power of two (a kernel of one program an SM runs its programs
       in waves: power-of-two counts fill them; docs/performance.md#split-kv-heuristic). A batch that already fills
-      the GPU gets :func:`balance_split_size` segments when its capacity leaves a long tail.
+      the GPU gets :func:`balance_split_size` segments when its capacity leaves a long tail, unless ``tail_balance``
+      is off (a kernel that balances its own tail: the Mosaic kernel's programs looping over items dealt longest
+      first).
 
     ``max_kv_len`` is the static capacity (``max_blocks * block_size``), not the data: heuristics never sync.
     """
@@ -347,7 +349,7 @@ def resolve_splits(num_programs: int, max_kv_len: int, block_n: int, num_splits:
         return num_splits, None
     splits = choose_num_splits(num_programs, max_kv_len, block_n, programs_per_sm=programs_per_sm)
     if splits == 1:
-        size = balance_split_size(num_programs, max_kv_len, block_n)
+        size = balance_split_size(num_programs, max_kv_len, block_n) if tail_balance else None
         return (1, None) if size is None else (math.ceil(max_kv_len / size), size)
     size = math.ceil(math.ceil(max_kv_len / splits) / block_n) * block_n
     if pow2_segments:  # the nearest power of two (log scale), no shorter than a tile, at most max_splits segments

@@ -128,12 +128,17 @@ def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
     return max(1, (num_tokens + num_seqs * (block_q - 1)) // block_q)
 
 
+def persistent(head_dim: int) -> bool:
+    """Whether the launch's programs loop over items. At head dim 64, where two programs share an SM and a 16 KB tile
+    leaves a program's fixed cost (its query, its pipeline's fill, its output) the most weight: yes; at 128 and 256,
+    where looping measured slower, one program an item (docs/performance.md#persistent-programs)."""
+    return head_dim == 64
+
+
 def persistent_programs(num_items: int, head_dim: int) -> int:
-    """Programs of a launch. At head dim 64, where two programs share an SM and a 16 KB tile leaves a program's
-    fixed cost (its query, its pipeline's fill, its output) the most weight, as many as the GPU holds at once, each
-    looping over its share of the items; at 128 and 256 one program an item, where looping measured slower
-    (docs/performance.md#persistent-programs)."""
-    if head_dim != 64:
+    """Programs of a launch: as many as the GPU holds at once (two an SM), each looping over its share of the
+    items, when :func:`persistent`; else one an item."""
+    if not persistent(head_dim):
         return max(1, num_items)
     return max(1, min(num_items, backend.num_sms() * 2))
 
