@@ -204,9 +204,10 @@ def _split_note(batch: Batch, options: Options, kwargs: dict) -> str:
                                                                                 s.jnp_dtype.itemsize)).block_n
         cache = jax.ShapeDtypeStruct((1, s.block_size, s.num_kv_heads, s.head_dim), s.kv_jnp_dtype)
         keys = paged_op.keys_read(host.block_tables, cache, masks.ScoreMods(window_left=s.window_left), 1, block_n)
-        mosaic = ({"pow2_segments": True, "tail_balance": not mosaic_paged.persistent(s.head_dim)}
+        work = host.num_seqs * s.num_kv_heads
+        mosaic = ({"pow2_segments": True, "tail_balance": not mosaic_paged.persistent(s.head_dim, work)}
                   if kwargs.get("backend") == "mosaic" else {})
-        splits, size = config_lib.resolve_splits(host.num_seqs * s.num_kv_heads, keys, block_n,
+        splits, size = config_lib.resolve_splits(work, keys, block_n,
                                                  kwargs.get("num_splits"), kwargs.get("split_size"), **mosaic)
     except Exception as e:  # noqa: BLE001 - a note must never fail a run (nor a baseline revision's layout)
         return f"splits=? ({type(e).__name__})"

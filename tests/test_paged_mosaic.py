@@ -175,7 +175,7 @@ def test_any_tables_and_lengths(data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     programs = data.draw(st.sampled_from([None, 1, 2]))
     if programs is not None:
-        with mock.patch.object(mosaic_paged, "persistent_programs", lambda num_items, head_dim: programs):
+        with mock.patch.object(mosaic_paged, "persistent_programs", lambda num_items, head_dim, work: programs):
             return _any_tables_and_lengths(data, rng)
     return _any_tables_and_lengths(data, rng)
 
@@ -232,11 +232,11 @@ def test_two_launch_split_plan():
     assert seen["num_splits"] == 1
 
 
-@pytest.mark.parametrize("head_dim, balanced", [(64, False), (128, True)])
+@pytest.mark.parametrize("head_dim, balanced", [(64, False), (128, False), (256, True)])
 def test_looping_programs_skip_the_tail_balance(head_dim, balanced, monkeypatch):
     """A decode batch that fills the GPU (64 requests × 8 KV heads, 8k keys of capacity): the tail balance cuts it
-    into 2,048-key segments for a program an item (head dim 128); programs looping over items dealt longest first
-    (head dim 64) balance the tail themselves and take it whole."""
+    into 2,048-key segments for a program an item (head dim 256); programs looping over items dealt longest first
+    (head dims 64 and 128) balance the tail themselves and take it whole."""
     from pallas_attn.core import config
     from pallas_attn.ops import paged as paged_op
 
@@ -393,14 +393,14 @@ def test_few_programs_loop_over_items(name, rng, monkeypatch):
     next (the memory warpgroup loads the next item's tiles while the last ones are computed): the reference still,
     every output row written."""
     scenario, programs = FEW_PROGRAMS[name]
-    monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim: min(programs, num_items))
+    monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim, work: min(programs, num_items))
     _check_scenario(scenario, rng)
 
 
 @pytest.mark.parametrize("mode, d", [("tensor", 128), ("token", 64)])
 def test_few_programs_fp8(mode, d, rng, monkeypatch):
     """FP8 pages (each widened by the warpgroup that computes its tile) with two programs looping over items."""
-    monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim: min(2, num_items))
+    monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim, work: min(2, num_items))
     q_lens, seq_lens = [1, 5, 1], [130, 70, 1]
     q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, 16, 4, 2, d, BF16)
     kc8, vc8, scales = _fp8_cache(rng, kc.astype(jnp.float32), vc.astype(jnp.float32), jnp.float8_e4m3fn, mode)
@@ -441,12 +441,15 @@ def test_item_order_deals_longest_first():
     assert grid.tolist() == [p * hkv + h for h in range(hkv) for p in range(7)]
 
 
-def test_persistent_only_at_head_dim_64():
-    """Head dim 64 loops over items on at most two programs an SM; 128 and 256 run a program an item."""
-    sms = mosaic_paged.backend.num_sms()
-    assert mosaic_paged.persistent_programs(10_000, 64) == 2 * sms
-    assert mosaic_paged.persistent_programs(7, 64) == 7
-    assert mosaic_paged.persistent_programs(10_000, 128) == mosaic_paged.persistent_programs(10_000, 256) == 10_000
+def test_persistent_at_head_dim_64_and_busy_128(monkeypatch):
+    """Head dim 64 loops over items on at most two programs an SM; 128 on one an SM once its query blocks × KV
+    heads give every SM an item; smaller 128 launches and 256 run a program an item."""
+    monkeypatch.setattr(mosaic_paged.backend, "num_sms", lambda: 132)
+    assert mosaic_paged.persistent_programs(10_000, 64, 8) == 2 * 132
+    assert mosaic_paged.persistent_programs(7, 64, 7) == 7
+    assert mosaic_paged.persistent_programs(10_000, 128, 512) == 132  # D1: 64 requests × 8 KV heads
+    assert mosaic_paged.persistent_programs(10_000, 128, 32) == 10_000  # D2: 4 long requests, split to fill
+    assert mosaic_paged.persistent_programs(10_000, 256, 512) == 10_000
 
 
 @pytest.mark.gpu

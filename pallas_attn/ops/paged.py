@@ -186,23 +186,24 @@ def _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_sl
     a power of two (one program an SM runs in waves of the SMs: docs/performance.md#split-kv-heuristic). With
     prefill chunks and no split given: two launches, decided apart as the Triton kernel's are (short queries like
     decode; chunks only when their programs cannot fill the GPU); a split given: one plan for both. The tail balance
-    applies only where a program runs one item (:func:`~pallas_attn.kernels.mosaic.paged.persistent`)."""
+    applies only where a program runs one item (not :func:`~pallas_attn.kernels.mosaic.paged.persistent`)."""
     block_n = mosaic_paged.BLOCK_N
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     block_q = mosaic_paged.query_block_tokens(max_query_len, q.shape[1] // num_kv_heads)  # the largest launch's
     keys = keys_read(block_tables, k_cache, mods, block_q, block_n)
-    # Programs that loop over items dealt longest first balance the batch's tail themselves: segments for it only
-    # add partials to merge (docs/performance.md#persistent-programs).
-    tail_balance = not mosaic_paged.persistent(q.shape[-1])
+
+    def plan(work: int, given_splits, given_size):
+        # Programs that loop over items dealt longest first balance the batch's tail themselves: segments for it
+        # only add partials to merge (docs/performance.md#persistent-programs).
+        return config_lib.resolve_splits(work, keys, block_n, given_splits, given_size, pow2_segments=True,
+                                         tail_balance=not mosaic_paged.persistent(q.shape[-1], work))
+
     short_splits = None
     if max_query_len > mosaic_paged.SHORT_QUERY_LEN and num_splits is None and split_size is None:
-        short_splits = config_lib.resolve_splits(num_seqs * num_kv_heads, keys, block_n, None, None,
-                                                 pow2_segments=True, tail_balance=tail_balance)
+        short_splits = plan(num_seqs * num_kv_heads, None, None)
         splits = config_lib.choose_num_splits(pl.cdiv(q.shape[0], block_q) * num_kv_heads, keys, block_n)
     else:
-        work_blocks = max(num_seqs, pl.cdiv(q.shape[0], block_q))
-        splits, split_size = config_lib.resolve_splits(work_blocks * num_kv_heads, keys, block_n, num_splits,
-                                                       split_size, pow2_segments=True, tail_balance=tail_balance)
+        splits, split_size = plan(max(num_seqs, pl.cdiv(q.shape[0], block_q)) * num_kv_heads, num_splits, split_size)
     if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_cache.shape[0]):
         return common.no_rows(*q.shape, q.dtype, return_lse)  # no token, request or page: no key, no kernel
     run = functools.partial(mosaic_paged.paged_attention_mosaic, max_query_len=max_query_len, scale=scale,

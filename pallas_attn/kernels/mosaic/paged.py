@@ -11,8 +11,9 @@ run it with ``backend="mosaic"``, and by default where the Pallas Triton backend
   bounds any batch of the bucketed shapes (no host sync, no recompilation); blocks past the batch's last are no
   work. A program loops over items in the order :func:`item_order` gives it, its K/V slots turning on from one
   item to the next, so the memory warpgroup loads the next item's first tiles while the compute warpgroups finish
-  the last one's. At head dim 64 the grid is **persistent** (:func:`persistent_programs`): as many programs as the
-  GPU holds at once, the items dealt longest first; at 128 and 256 a program an item.
+  the last one's. At head dim 64, and at 128 with an item an SM before splits, the grid is **persistent**
+  (:func:`persistent`): as many programs as the GPU holds at once, the items dealt longest first; otherwise a
+  program an item.
 * warpgroups: one for memory, one or two for compute (:func:`compute_wgs`). The **memory** warpgroup reads the block
   table in the kernel and brings each 64-key tile of K and V into a ring of shared-memory slots with TMA, in copies
   of ``gcd(block_size, 64)`` rows (:func:`copy_rows`): one a tile for pages of a multiple of 64, one a page for 8,
@@ -128,19 +129,25 @@ def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
     return max(1, (num_tokens + num_seqs * (block_q - 1)) // block_q)
 
 
-def persistent(head_dim: int) -> bool:
-    """Whether the launch's programs loop over items. At head dim 64, where two programs share an SM and a 16 KB tile
-    leaves a program's fixed cost (its query, its pipeline's fill, its output) the most weight: yes; at 128 and 256,
-    where looping measured slower, one program an item (docs/performance.md#persistent-programs)."""
-    return head_dim == 64
+def persistent(head_dim: int, work: int) -> bool:
+    """Whether a launch's programs loop over items; ``work``: its query blocks × KV heads (the items before splits).
+    At head dim 64, where two programs share an SM and a 16 KB tile leaves a program's fixed cost (its query, its
+    pipeline's fill, its output) the most weight: always. At 128 when ``work`` gives every SM an item: looping, with
+    no tail-balance segments, measured D1 +5.2%, V1 +2.8% and 64 mixed Llama-3.1-8B requests +4.2%, where a few long
+    requests split to fill the GPU lost (D2 −3.6%: its power-of-two segments already fill whole waves of a program
+    an item). At 256 never (not measured). docs/performance.md#persistent-programs."""
+    if head_dim == 64:
+        return True
+    return head_dim == 128 and work >= backend.num_sms()
 
 
-def persistent_programs(num_items: int, head_dim: int) -> int:
-    """Programs of a launch: as many as the GPU holds at once (two an SM), each looping over its share of the
-    items, when :func:`persistent`; else one an item."""
-    if not persistent(head_dim):
+def persistent_programs(num_items: int, head_dim: int, work: int) -> int:
+    """Programs of a launch: when :func:`persistent`, as many as the GPU holds at once (two an SM at head dim 64,
+    one at 128, whose three warpgroups take about 190 KB of shared memory), each looping over its share of the
+    items; else one an item."""
+    if not persistent(head_dim, work):
         return max(1, num_items)
-    return max(1, min(num_items, backend.num_sms() * 2))
+    return max(1, min(num_items, backend.num_sms() * (2 if head_dim == 64 else 1)))
 
 
 def item_order(block_req, block_first, cu_query_lens, seq_lens, *, num_kv_heads: int, num_programs: int,
@@ -700,7 +707,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
         (plgpu.Barrier(), plgpu.Barrier()) if wgs > 1 else (None, None),  # Q in place; the state handed over
     )
     num_items = num_blocks * num_kv_heads * num_splits
-    num_programs = persistent_programs(num_items, head_dim)
+    num_programs = persistent_programs(num_items, head_dim, num_blocks * num_kv_heads)
     order = item_order(block_req, block_first, cu_query_lens, seq_lens, num_kv_heads=num_kv_heads,
                        num_programs=num_programs, block_q=block_q, capacity=max_blocks * block_size,
                        num_splits=num_splits, split_size=split_size, mods=mods)
