@@ -190,28 +190,28 @@ def _decode_args(b: Batch):
 
 
 def _split_note(batch: Batch, options: Options, kwargs: dict) -> str:
-    """The static split count the decode wrapper will use (the same call as ``ops/decode.py`` makes; under
-    ``backend="mosaic"`` over the Mosaic kernel's 64-key tiles, as ``ops/paged.py`` plans them)."""
+    """The static split plan the decode wrapper will use, from the planners it calls itself
+    (``ops/decode.py::split_plan``; under ``backend="mosaic"`` ``ops/paged.py::mosaic_plan``, whose looping
+    programs the note marks ``persistent``)."""
     s, host = batch.spec, batch.host
     try:
         from pallas_attn.core import config as config_lib, masks
-        from pallas_attn.kernels.mosaic import paged as mosaic_paged
-        from pallas_attn.ops import paged as paged_op
-        if kwargs.get("backend") == "mosaic":
-            block_n = mosaic_paged.BLOCK_N
-        else:
-            block_n = (kwargs.get("config") or config_lib.default_decode_config(s.head_dim, s.block_size,
-                                                                                s.jnp_dtype.itemsize)).block_n
+        from pallas_attn.ops import decode as decode_op, paged as paged_op
+        q = jax.ShapeDtypeStruct((host.num_seqs, s.num_q_heads, s.head_dim), s.jnp_dtype)
         cache = jax.ShapeDtypeStruct((1, s.block_size, s.num_kv_heads, s.head_dim), s.kv_jnp_dtype)
-        keys = paged_op.keys_read(host.block_tables, cache, masks.ScoreMods(window_left=s.window_left), 1, block_n)
-        work = host.num_seqs * s.num_kv_heads
-        mosaic = ({"pow2_segments": True, "tail_balance": not mosaic_paged.persistent(s.head_dim, work)}
-                  if kwargs.get("backend") == "mosaic" else {})
-        splits, size = config_lib.resolve_splits(work, keys, block_n,
-                                                 kwargs.get("num_splits"), kwargs.get("split_size"), **mosaic)
+        mods = masks.ScoreMods(window_left=s.window_left)
+        given = dict(num_splits=kwargs.get("num_splits"), split_size=kwargs.get("split_size"))
+        loop = False
+        if kwargs.get("backend") == "mosaic":
+            plan, _ = paged_op.mosaic_plan(q, cache, host.block_tables, mods, max_query_len=1, **given)
+            splits, size, loop = plan
+        else:
+            cfg = kwargs.get("config") or config_lib.default_decode_config(s.head_dim, s.block_size,
+                                                                           s.jnp_dtype.itemsize)
+            splits, size = decode_op.split_plan(q, cache, host.block_tables, mods, cfg, **given)
     except Exception as e:  # noqa: BLE001 - a note must never fail a run (nor a baseline revision's layout)
         return f"splits=? ({type(e).__name__})"
-    return f"splits={splits}" + (f" split_size={size}" if size else "")
+    return f"splits={splits}" + (f" split_size={size}" if size else "") + (" persistent" if loop else "")
 
 
 def _config_note(options: Options) -> str:

@@ -175,7 +175,7 @@ def test_any_tables_and_lengths(data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     programs = data.draw(st.sampled_from([None, 1, 2]))
     if programs is not None:
-        with mock.patch.object(mosaic_paged, "persistent_programs", lambda num_items, head_dim, work: programs):
+        with mock.patch.object(mosaic_paged, "persistent_programs", lambda num_items, head_dim, persistent: programs):
             return _any_tables_and_lengths(data, rng)
     return _any_tables_and_lengths(data, rng)
 
@@ -228,8 +228,8 @@ def test_two_launch_split_plan():
                          mods=paged_op.masks.NO_MODS, num_splits=None, split_size=None, return_lse=False,
                          interpret=True)
     short = config.resolve_splits(4 * 8, 16384, 64, None, None, pow2_segments=True)
-    assert seen["short_splits"] == short and short[0] > 1
-    assert seen["num_splits"] == 1
+    assert seen["short_plan"][:2] == short and short[0] > 1
+    assert seen["plan"].num_splits == 1
 
 
 @pytest.mark.parametrize("head_dim, balanced", [(64, False), (128, False), (256, True)])
@@ -254,7 +254,7 @@ def test_looping_programs_skip_the_tail_balance(head_dim, balanced, monkeypatch)
     paged_op._mosaic(q, cache, cache, tables, lens, jnp.arange(65, dtype=jnp.int32), None, None, max_query_len=1,
                      scale=1.0, mods=paged_op.masks.NO_MODS, num_splits=None, split_size=None, return_lse=False,
                      interpret=True)
-    assert (seen["num_splits"], seen["split_size"]) == ((4, 2048) if balanced else (1, None))
+    assert seen["plan"] == ((4, 2048, False) if balanced else (1, None, True))
 
 
 def test_decode_is_paged_attention_with_one_token(rng):
@@ -393,14 +393,15 @@ def test_few_programs_loop_over_items(name, rng, monkeypatch):
     next (the memory warpgroup loads the next item's tiles while the last ones are computed): the reference still,
     every output row written."""
     scenario, programs = FEW_PROGRAMS[name]
-    monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim, work: min(programs, num_items))
+    monkeypatch.setattr(mosaic_paged, "persistent_programs",
+                        lambda num_items, head_dim, persistent: min(programs, num_items))
     _check_scenario(scenario, rng)
 
 
 @pytest.mark.parametrize("mode, d", [("tensor", 128), ("token", 64)])
 def test_few_programs_fp8(mode, d, rng, monkeypatch):
     """FP8 pages (each widened by the warpgroup that computes its tile) with two programs looping over items."""
-    monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim, work: min(2, num_items))
+    monkeypatch.setattr(mosaic_paged, "persistent_programs", lambda num_items, head_dim, persistent: min(2, num_items))
     q_lens, seq_lens = [1, 5, 1], [130, 70, 1]
     q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, 16, 4, 2, d, BF16)
     kc8, vc8, scales = _fp8_cache(rng, kc.astype(jnp.float32), vc.astype(jnp.float32), jnp.float8_e4m3fn, mode)
@@ -445,11 +446,39 @@ def test_persistent_at_head_dim_64_and_busy_128(monkeypatch):
     """Head dim 64 loops over items on at most two programs an SM; 128 on one an SM once its query blocks × KV
     heads give every SM an item; smaller 128 launches and 256 run a program an item."""
     monkeypatch.setattr(mosaic_paged.backend, "num_sms", lambda: 132)
-    assert mosaic_paged.persistent_programs(10_000, 64, 8) == 2 * 132
-    assert mosaic_paged.persistent_programs(7, 64, 7) == 7
-    assert mosaic_paged.persistent_programs(10_000, 128, 512) == 132  # D1: 64 requests × 8 KV heads
-    assert mosaic_paged.persistent_programs(10_000, 128, 32) == 10_000  # D2: 4 long requests, split to fill
-    assert mosaic_paged.persistent_programs(10_000, 256, 512) == 10_000
+    assert mosaic_paged.persistent(64, 8) and mosaic_paged.persistent(64, 7)
+    assert mosaic_paged.persistent(128, 512)  # D1: 64 requests × 8 KV heads
+    assert not mosaic_paged.persistent(128, 32)  # D2: 4 long requests, split to fill
+    assert not mosaic_paged.persistent(256, 512)
+    assert mosaic_paged.persistent_programs(10_000, 64, True) == 2 * 132
+    assert mosaic_paged.persistent_programs(7, 64, True) == 7
+    assert mosaic_paged.persistent_programs(10_000, 128, True) == 132
+    assert mosaic_paged.persistent_programs(10_000, 128, False) == 10_000
+
+
+def test_the_plan_decides_persistence_for_the_kernel(rng, monkeypatch):
+    """Whether a launch's programs loop is decided once, by the plan that also decides its splits (looping programs
+    take no tail-balance segments), and the kernel runs what the plan says: here the plan counts 2 requests × 2
+    KV heads = 4 items, under the 6 SMs, where the kernel's static bound on the query blocks of 4 tokens would count
+    (8 + 2·3) / 4 = 3 blocks × 2 KV heads = 6."""
+    from pallas_attn.core import masks
+    from pallas_attn.ops import paged as paged_op
+
+    monkeypatch.setattr(mosaic_paged.backend, "num_sms", lambda: 6)
+    seen = []
+    programs = mosaic_paged.persistent_programs
+    monkeypatch.setattr(mosaic_paged, "persistent_programs",
+                        lambda num_items, head_dim, persistent: seen.append(persistent) or
+                        programs(num_items, head_dim, persistent))
+    q_lens, seq_lens = [4, 4], [70, 197]
+    q, kc, vc, bt, sl, cu = _inputs(rng, q_lens, seq_lens, 16, 4, 2, 128, BF16, pad=0)
+    plan, short_plan = paged_op.mosaic_plan(q, kc, bt, masks.NO_MODS, max_query_len=4, num_splits=None,
+                                            split_size=None)
+    assert short_plan is None and not plan.persistent
+    out = paged_attention(q, kc, vc, bt, sl, cu, max_query_len=4, **MOSAIC)
+    assert seen == [False]
+    ref = reference.paged_attention(q, kc, vc, bt, sl, cu)
+    assert_attention_close(out, ref, dtype=BF16, valid_rows=sum(q_lens))
 
 
 @pytest.mark.gpu

@@ -35,6 +35,15 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale) -> 
     return scale_mode
 
 
+def split_plan(q, k_cache, block_tables, mods: masks.ScoreMods, cfg: config_lib.DecodeConfig,
+               num_splits: int | None, split_size: int | None) -> tuple[int, int | None]:
+    """The Triton decode kernel's static ``(num_splits, split_size)``: a program a request × KV head, the keys of
+    its window or capacity (:func:`pallas_attn.ops.paged.keys_read`); arguments: arrays or
+    ``jax.ShapeDtypeStruct``, only shapes are read. The Mosaic kernel's: :func:`pallas_attn.ops.paged.mosaic_plan`."""
+    keys = paged.keys_read(block_tables, k_cache, mods, 1, cfg.block_n)
+    return config_lib.resolve_splits(q.shape[0] * k_cache.shape[2], keys, cfg.block_n, num_splits, split_size)
+
+
 @renamed_argument("context_lens", "seq_lens")
 @common.front(arrays=("q", "k_cache", "v_cache", "alibi_slopes", "sinks"), int_arrays=("block_tables", "seq_lens"),
               statics=dict(softmax_scale=validation.check_softmax_scale, window_size=validation.check_window_size,
@@ -106,9 +115,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, softm
                              return_lse=return_lse, interpret=interpret, name="paged_decode_attention",
                              kv_scales=tiles.kv_scale_args(scale_mode, k_scale, v_scale))
     cfg = config or config_lib.default_decode_config(q.shape[-1], k_cache.shape[1], q.dtype.itemsize)
-    keys = paged.keys_read(block_tables, k_cache, mods, 1, cfg.block_n)
-    splits, split_size = config_lib.resolve_splits(q.shape[0] * k_cache.shape[2], keys, cfg.block_n, num_splits,
-                                                   split_size)
+    splits, split_size = split_plan(q, k_cache, block_tables, mods, cfg, num_splits, split_size)
     if 0 in (q.shape[0], block_tables.shape[1], k_cache.shape[0]):  # no request, no page: no key, no kernel
         return common.no_rows(*q.shape, q.dtype, return_lse)
     run = functools.partial(triton_decode.paged_decode_triton, scale=scale, num_splits=splits,

@@ -178,37 +178,47 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, 
     return (out, lse) if return_lse else out
 
 
-def _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes, sinks, *, max_query_len: int,
-            scale: float, mods: masks.ScoreMods, num_splits: int | None, split_size: int | None, return_lse: bool,
-            interpret: bool, kv_scales: tuple = (), name: str = "paged_attention"):
-    """The Mosaic kernel's call, shared with :func:`pallas_attn.paged_decode_attention`: its split plan, then the
-    kernel. Short queries alone: one launch, the heuristic over its query blocks × KV heads, its segments rounded to
-    a power of two (one program an SM runs in waves of the SMs: docs/performance.md#split-kv-heuristic). With
-    prefill chunks and no split given: two launches, decided apart as the Triton kernel's are (short queries like
-    decode; chunks only when their programs cannot fill the GPU); a split given: one plan for both. The tail balance
-    applies only where a program runs one item (not :func:`~pallas_attn.kernels.mosaic.paged.persistent`)."""
-    block_n = mosaic_paged.BLOCK_N
+def mosaic_plan(q, k_cache, block_tables, mods: masks.ScoreMods, *, max_query_len: int, num_splits: int | None,
+                split_size: int | None) -> tuple[mosaic_paged.Launch, mosaic_paged.Launch | None]:
+    """``(plan, short_plan)``: the Mosaic paged kernel's static launch plans (arguments: arrays or
+    ``jax.ShapeDtypeStruct``; only shapes are read). Short queries alone: one launch, the heuristic over its query
+    blocks × KV heads, its segments rounded to a power of two (one program an SM runs in waves of the SMs:
+    docs/performance.md#split-kv-heuristic); ``short_plan`` None. With prefill chunks and no split given: two
+    launches, decided apart as the Triton kernel's are (short queries like decode, ``short_plan``; chunks only when
+    their programs cannot fill the GPU); a split given: one plan for both. Each launch's query blocks × KV heads
+    decide at once whether its programs loop over items (:func:`~pallas_attn.kernels.mosaic.paged.persistent`) and
+    its splits: looping programs, dealt items longest first, balance the batch's tail themselves, so they take no
+    tail-balance segments (those only add partials to merge: docs/performance.md#persistent-programs)."""
+    block_n, head_dim = mosaic_paged.BLOCK_N, q.shape[-1]
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     block_q = mosaic_paged.query_block_tokens(max_query_len, q.shape[1] // num_kv_heads)  # the largest launch's
     keys = keys_read(block_tables, k_cache, mods, block_q, block_n)
 
-    def plan(work: int, given_splits, given_size):
-        # Programs that loop over items dealt longest first balance the batch's tail themselves: segments for it
-        # only add partials to merge (docs/performance.md#persistent-programs).
-        return config_lib.resolve_splits(work, keys, block_n, given_splits, given_size, pow2_segments=True,
-                                         tail_balance=not mosaic_paged.persistent(q.shape[-1], work))
+    def plan(blocks: int, given_splits, given_size) -> mosaic_paged.Launch:
+        loop = mosaic_paged.persistent(head_dim, blocks * num_kv_heads)
+        splits, size = config_lib.resolve_splits(blocks * num_kv_heads, keys, block_n, given_splits, given_size,
+                                                 pow2_segments=True, tail_balance=not loop)
+        return mosaic_paged.Launch(splits, size, loop)
 
-    short_splits = None
     if max_query_len > mosaic_paged.SHORT_QUERY_LEN and num_splits is None and split_size is None:
-        short_splits = plan(num_seqs * num_kv_heads, None, None)
-        splits = config_lib.choose_num_splits(pl.cdiv(q.shape[0], block_q) * num_kv_heads, keys, block_n)
-    else:
-        splits, split_size = plan(max(num_seqs, pl.cdiv(q.shape[0], block_q)) * num_kv_heads, num_splits, split_size)
+        chunk_blocks = pl.cdiv(q.shape[0], block_q)
+        splits = config_lib.choose_num_splits(chunk_blocks * num_kv_heads, keys, block_n)
+        loop = mosaic_paged.persistent(head_dim, chunk_blocks * num_kv_heads)
+        return mosaic_paged.Launch(splits, None, loop), plan(num_seqs, None, None)
+    return plan(max(num_seqs, pl.cdiv(q.shape[0], block_q)), num_splits, split_size), None
+
+
+def _mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes, sinks, *, max_query_len: int,
+            scale: float, mods: masks.ScoreMods, num_splits: int | None, split_size: int | None, return_lse: bool,
+            interpret: bool, kv_scales: tuple = (), name: str = "paged_attention"):
+    """The Mosaic kernel's call, shared with :func:`pallas_attn.paged_decode_attention`: its plan
+    (:func:`mosaic_plan`), then the kernel."""
+    plan, short_plan = mosaic_plan(q, k_cache, block_tables, mods, max_query_len=max_query_len,
+                                   num_splits=num_splits, split_size=split_size)
     if 0 in (q.shape[0], block_tables.shape[0], block_tables.shape[1], k_cache.shape[0]):
         return common.no_rows(*q.shape, q.dtype, return_lse)  # no token, request or page: no key, no kernel
     run = functools.partial(mosaic_paged.paged_attention_mosaic, max_query_len=max_query_len, scale=scale,
-                            num_splits=splits, split_size=split_size, interpret=interpret, mods=mods,
-                            short_splits=short_splits)
+                            plan=plan, interpret=interpret, mods=mods, short_plan=short_plan)
     out, lse = common.no_backward(name, run)(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
                                              alibi_slopes, sinks, kv_scales)
     return (out, lse) if return_lse else out

@@ -135,17 +135,27 @@ def persistent(head_dim: int, work: int) -> bool:
     pipeline's fill, its output) the most weight: always. At 128 when ``work`` gives every SM an item: looping, with
     no tail-balance segments, measured D1 +5.2%, V1 +2.8% and 64 mixed Llama-3.1-8B requests +4.2%, where a few long
     requests split to fill the GPU lost (D2 −3.6%: its power-of-two segments already fill whole waves of a program
-    an item). At 256 never (not measured). docs/performance.md#persistent-programs."""
+    an item). At 256 never (not measured). docs/performance.md#persistent-programs. The launch's plan
+    (:class:`Launch`, made by :func:`pallas_attn.ops.paged.mosaic_plan`) decides it once, with its splits."""
     if head_dim == 64:
         return True
     return head_dim == 128 and work >= backend.num_sms()
 
 
-def persistent_programs(num_items: int, head_dim: int, work: int) -> int:
-    """Programs of a launch: when :func:`persistent`, as many as the GPU holds at once (two an SM at head dim 64,
-    one at 128, whose three warpgroups take about 190 KB of shared memory), each looping over its share of the
-    items; else one an item."""
-    if not persistent(head_dim, work):
+class Launch(NamedTuple):
+    """A launch's static plan: its split-KV (:func:`pallas_attn.core.config.resolve_splits`) and whether its
+    programs loop over items (:func:`persistent`), decided together: looping programs take no tail-balance
+    segments."""
+    num_splits: int
+    split_size: int | None
+    persistent: bool
+
+
+def persistent_programs(num_items: int, head_dim: int, persistent: bool) -> int:
+    """Programs of a launch: when ``persistent``, as many as the GPU holds at once (two an SM at head dim 64, one at
+    128, whose three warpgroups take about 190 KB of shared memory), each looping over its share of the items;
+    else one an item."""
+    if not persistent:
         return max(1, num_items)
     return max(1, min(num_items, backend.num_sms() * (2 if head_dim == 64 else 1)))
 
@@ -593,9 +603,8 @@ def token_rows(cu_query_lens, cu_blocks, num_tokens: int, num_kv_heads: int, gro
 
 
 def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, alibi_slopes=None, sinks=None,
-                           kv_scales=(), *, max_query_len: int, scale: float, num_splits: int,
-                           split_size: int | None, interpret: bool, mods: masks.ScoreMods = masks.NO_MODS,
-                           short_splits: tuple[int, int | None] | None = None):
+                           kv_scales=(), *, max_query_len: int, scale: float, plan: Launch, interpret: bool,
+                           mods: masks.ScoreMods = masks.NO_MODS, short_plan: Launch | None = None):
     """``(out [T, Hq, D], lse f32[T, Hq])``; arguments validated by :func:`pallas_attn.paged_attention` and
     :func:`supported`, ``cu_query_lens`` clamped (:func:`pallas_attn.core.metadata.clamp_cu`). ``split_size`` a
     multiple of 64 or None; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says; ``kv_scales``
@@ -607,15 +616,16 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
     scores are the same, each column times its key's scale in float32; each widened V row is multiplied by its
     own scale into bf16 (whose range is float32's), so the probabilities and the output are bf16.
 
-    ``short_splits = (num_splits, split_size)``: a batch with prefill chunks (``max_query_len > 16``) runs as two
-    launches, the short queries (decode, verification) split by ``short_splits`` and the chunks by ``num_splits``
-    / ``split_size``, each request's rows taken from its own launch: decodes beside chunks still split their long
-    contexts (as :func:`pallas_attn.kernels.triton.paged.launch_splits` decides for the Triton kernel). None: one
-    launch, one split plan."""
+    ``plan``: the launch's splits (``split_size`` a multiple of 64 or None) and whether its programs loop over items.
+    ``short_plan``: a batch with prefill chunks (``max_query_len > 16``) runs as two launches, the short queries
+    (decode, verification) by ``short_plan`` and the chunks by ``plan``, each request's rows taken from its own
+    launch: decodes beside chunks still split their long contexts (as
+    :func:`pallas_attn.kernels.triton.paged.launch_splits` decides for the Triton kernel). None: one launch.
+    :func:`pallas_attn.ops.paged.mosaic_plan` makes both."""
     reason = supported(q, k_cache)
     if reason is not None:
         raise ValueError(f"the Mosaic paged kernel does not support {reason}")
-    for size in (split_size, short_splits[1] if short_splits else None):
+    for size in (plan.split_size, short_plan.split_size if short_plan else None):
         if size is not None and size % BLOCK_N:
             raise ValueError(f"split_size={size} must be a multiple of the Mosaic paged kernel's {BLOCK_N}-key tiles")
     features = []
@@ -638,12 +648,11 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
     launch = functools.partial(_launch, q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
                                [*features, *kv_scales], sinks, scale=scale, interpret=interpret, mods=mods,
                                scale_mode=scale_mode)
-    if short_splits is None or max_query_len <= SHORT_QUERY_LEN:
-        out, lse = launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size)
+    if short_plan is None or max_query_len <= SHORT_QUERY_LEN:
+        out, lse = launch(max_query_len=max_query_len, plan=plan)
     else:
-        short = launch(max_query_len=SHORT_QUERY_LEN, num_splits=short_splits[0], split_size=short_splits[1],
-                       query_class="short")
-        long = launch(max_query_len=max_query_len, num_splits=num_splits, split_size=split_size, query_class="long")
+        short = launch(max_query_len=SHORT_QUERY_LEN, plan=short_plan, query_class="short")
+        long = launch(max_query_len=max_query_len, plan=plan, query_class="long")
         q_lens = cu_query_lens[1:] - cu_query_lens[:-1]
         req = metadata.token_requests(cu_query_lens, q.shape[0])
         is_short = (q_lens[jnp.maximum(req, 0)] <= SHORT_QUERY_LEN)[:, None]
@@ -654,14 +663,15 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, sinks, *, max_query_len: int,
-            scale: float, num_splits: int, split_size: int | None, interpret: bool, mods: masks.ScoreMods,
-            scale_mode: str | None, query_class: str | None = None):
+            scale: float, plan: Launch, interpret: bool, mods: masks.ScoreMods, scale_mode: str | None,
+            query_class: str | None = None):
     """One launch over the query blocks of the requests of ``query_class`` ("short": ``q_len <= 16``, "long": the
     others, None: all), its output tiles gathered into ``(out [T, Hq, D], lse f32[T, Hq])``: rows of other
     requests and padding rows 0 and -inf. ``extra``: the kernel's feature rows and FP8 scales (:func:`_kernel`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
+    num_splits, split_size = plan.num_splits, plan.split_size
     group = num_q_heads // num_kv_heads
     block_q = query_block_tokens(max_query_len, group)
     rows_pad = _round_up(block_q * group, ROW_ALIGN)
@@ -707,7 +717,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, extra, s
         (plgpu.Barrier(), plgpu.Barrier()) if wgs > 1 else (None, None),  # Q in place; the state handed over
     )
     num_items = num_blocks * num_kv_heads * num_splits
-    num_programs = persistent_programs(num_items, head_dim, num_blocks * num_kv_heads)
+    num_programs = persistent_programs(num_items, head_dim, plan.persistent)
     order = item_order(block_req, block_first, cu_query_lens, seq_lens, num_kv_heads=num_kv_heads,
                        num_programs=num_programs, block_q=block_q, capacity=max_blocks * block_size,
                        num_splits=num_splits, split_size=split_size, mods=mods)
