@@ -18,6 +18,9 @@ import zlib
 # PJRT_NPROC=1, every time). PJRT_NPROC sizes that pool; it must be set before JAX starts its CPU client, and the
 # subprocesses of the tests inherit it.
 os.environ.setdefault("PJRT_NPROC", "32")
+# The suite runs in several worker processes (pyproject's addopts); on a GPU they share it, so none may take most
+# of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
