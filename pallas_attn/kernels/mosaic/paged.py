@@ -606,10 +606,10 @@ def paged_attention_mosaic(q, k_cache, v_cache, block_tables, seq_lens, cu_query
                            kv_scales=(), *, max_query_len: int, scale: float, plan: Launch, interpret: bool,
                            mods: masks.ScoreMods = masks.NO_MODS, short_plan: Launch | None = None):
     """``(out [T, Hq, D], lse f32[T, Hq])``; arguments validated by :func:`pallas_attn.paged_attention` and
-    :func:`supported`, ``cu_query_lens`` clamped (:func:`pallas_attn.core.metadata.clamp_cu`). ``split_size`` a
-    multiple of 64 or None; ``alibi_slopes`` / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says; ``kv_scales``
-    an FP8 cache's scales (:func:`pallas_attn.core.tiles.kv_scale_args`). Per tensor (``(f32[2],)``: k_scale,
-    v_scale) the kernel runs in fp16 whatever q's dtype: each token's query goes in after a power-of-two shift
+    :func:`supported`, ``cu_query_lens`` clamped (:func:`pallas_attn.core.metadata.clamp_cu`). ``alibi_slopes``
+    / ``sinks`` ``f32[Hq]`` exactly when ``mods`` says; ``kv_scales`` an FP8 cache's scales
+    (:func:`pallas_attn.core.tiles.kv_scale_args`). Per tensor (``(f32[2],)``: k_scale, v_scale) the kernel runs
+    in fp16 whatever q's dtype: each token's query goes in after a power-of-two shift
     (:func:`pallas_attn.core.tiles.query_rows_for_cache`; its inverse joins the K scale on the raw scores), the
     outputs come out in fp16 and the V scale multiplies them once, in float32, on the way to q's dtype. Per token
     and head (the two scale caches ``f32[num_blocks, block_size, Hkv]``, brought by :func:`scale_bands`) the
