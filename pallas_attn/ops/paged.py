@@ -44,9 +44,10 @@ def mosaic_unsupported(q, k_cache, split_size: int | None) -> str | None:
 
 
 def select_backend(function: str, backend: str | None, q, k_cache, split_size: int | None, *configs) -> str:
-    """The backend of a paged call: the Triton kernel by default while JAX ships it (faster than the Mosaic kernel
-    on every shape measured but head dim 256 on an H200: docs/performance.md#paged-backends), the Mosaic kernel where
-    asked or where the Pallas Triton backend is gone (:func:`pallas_attn.core.backend.select_backend`). ``configs``
+    """The backend of a paged call: the Triton kernel by default while JAX ships it (on the model grid the Mosaic
+    kernel leads on a few long launches and trails on short ones and over FP8 pages, with no static rule between them:
+    docs/performance.md#the-backends-across-the-model-grid), the Mosaic kernel where asked or where the Pallas Triton
+    backend is gone (:func:`pallas_attn.core.backend.select_backend`). ``configs``
     tune the Triton kernel: one given picks it, and ``backend="mosaic"`` with one raises ``ValueError``."""
     given = next((c for c in configs if c is not None), None)
     return backend_lib.select_backend(backend, config=given, default=lambda: "triton",
