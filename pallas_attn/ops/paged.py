@@ -47,8 +47,8 @@ def select_backend(function: str, backend: str | None, q, k_cache, split_size: i
     """The backend of a paged call: the Triton kernel by default while JAX ships it (on the model grid the Mosaic
     kernel leads on a few long launches and trails on short ones and over FP8 pages, with no static rule between them:
     docs/performance.md#the-backends-across-the-model-grid), the Mosaic kernel where asked or where the Pallas Triton
-    backend is gone (:func:`pallas_attn.core.backend.select_backend`). ``configs``
-    tune the Triton kernel: one given picks it, and ``backend="mosaic"`` with one raises ``ValueError``."""
+    backend is gone (:func:`pallas_attn.core.backend.select_backend`). ``configs`` tune the Triton kernel: one
+    given picks it, and ``backend="mosaic"`` with one raises ``ValueError``."""
     given = next((c for c in configs if c is not None), None)
     return backend_lib.select_backend(backend, config=given, default=lambda: "triton",
                                       mosaic_unsupported=lambda: mosaic_unsupported(q, k_cache, split_size),
